@@ -1,0 +1,214 @@
+"""Read training records from a jsonl file, a parquet file or a `datasets` dataset.
+
+Three record layouts are understood (extra keys are ignored):
+- messages: {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}
+  (chat, as in THUDM/LongCite-45k, whose records also carry keys such as "idx" and "dataset");
+- prompt_completion: {"prompt": "...", "completion": "..."};
+- text: {"text": "..."}.
+`data.format: auto` picks the layout from the keys of the first record. Every record keeps where it
+came from (`file:line` for jsonl, `path row N` otherwise) so that a malformed one is reported
+precisely; `data.on_bad_record` decides whether it stops the run or is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..config import DataConfig
+from .errors import BadRecords, DataError
+
+FORMATS = ("messages", "prompt_completion", "text")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One validated record. Only the fields of its `format` are set."""
+
+    where: str
+    """Origin for error messages: `file.jsonl:12` or `path row 11`."""
+    format: str
+    messages: tuple[dict, ...] = ()
+    prompt: str = ""
+    completion: str = ""
+    text: str = ""
+
+
+def detect_format(obj: Any) -> str | None:
+    """The layout implied by a record's keys, or None when none matches."""
+    if not isinstance(obj, dict):
+        return None
+    if "messages" in obj:
+        return "messages"
+    if "prompt" in obj and "completion" in obj:
+        return "prompt_completion"
+    if "text" in obj:
+        return "text"
+    return None
+
+
+def _bad(where: str, what: str, reason: str) -> DataError:
+    return DataError(f"{where}: {what}", reason)
+
+
+def parse_record(obj: Any, fmt: str, where: str) -> Record:
+    """Validate a raw record against layout `fmt`; raise DataError (with a reason) if malformed."""
+    if not isinstance(obj, dict):
+        raise _bad(where, f"expected a JSON object, got {type(obj).__name__}", "wrong_type")
+    if fmt == "messages":
+        return Record(where, fmt, messages=_parse_messages(obj, where))
+    if fmt == "prompt_completion":
+        for key in ("prompt", "completion"):
+            if key not in obj:
+                raise _bad(where, f"missing key {key!r} (keys: {sorted(obj)})", "missing_key")
+            if not isinstance(obj[key], str):
+                raise _bad(where, f"{key!r} must be a string, got {type(obj[key]).__name__}",
+                           "wrong_type")
+        return Record(where, fmt, prompt=obj["prompt"], completion=obj["completion"])
+    if fmt == "text":
+        if "text" not in obj:
+            raise _bad(where, f"missing key 'text' (keys: {sorted(obj)})", "missing_key")
+        if not isinstance(obj["text"], str):
+            raise _bad(where, f"'text' must be a string, got {type(obj['text']).__name__}",
+                       "wrong_type")
+        if not obj["text"]:
+            raise _bad(where, "'text' is empty", "empty_text")
+        return Record(where, fmt, text=obj["text"])
+    raise ValueError(f"unknown record format {fmt!r}")
+
+
+def _parse_messages(obj: dict, where: str) -> tuple[dict, ...]:
+    if "messages" not in obj:
+        raise _bad(where, f"missing key 'messages' (keys: {sorted(obj)})", "missing_key")
+    msgs = obj["messages"]
+    if not isinstance(msgs, list):
+        raise _bad(where, f"'messages' must be a list, got {type(msgs).__name__}", "wrong_type")
+    if not msgs:
+        raise _bad(where, "'messages' is empty", "empty_messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise _bad(where, f"messages[{i}] must be an object with 'role' and 'content'",
+                       "missing_key")
+        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+            raise _bad(where, f"messages[{i}]: 'role' and 'content' must be strings", "wrong_type")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "assistant" for m in out):
+        roles = sorted({m["role"] for m in out})
+        raise _bad(where, f"no message with role 'assistant' (roles: {roles}); nothing to train on",
+                   "no_assistant")
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- raw sources
+
+
+def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, object) per non-blank line; a line that is not JSON yields a DataError instead."""
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield where, json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                yield where, _bad(where, f"not valid JSON ({e})", "bad_json")
+
+
+def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise DataError(f"data.path: {path} is not a readable parquet file ({e})") from None
+    row = 0
+    for batch in pf.iter_batches(batch_size=256):
+        for obj in batch.to_pylist():
+            yield f"{path} row {row}", obj
+            row += 1
+
+
+def _hf(name: str, split: str) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    p = Path(name)
+    if p.is_dir() and any((p / f).is_file() for f in ("dataset_dict.json", "state.json")):
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"data.split: {name} has no split {split!r} "
+                                f"(splits: {', '.join(ds)}); set data.split to one of them")
+            ds = ds[split]
+    else:
+        try:
+            ds = datasets.load_dataset(name, split=split)
+        except Exception as e:  # datasets raises many unrelated types (network, format, split)
+            raise DataError(
+                f"data.path: cannot load dataset {name!r} split {split!r} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); give a directory written by "
+                f"Dataset.save_to_disk, a local dataset directory, or a name reachable from this "
+                f"machine") from None
+    for i, obj in enumerate(ds):
+        yield f"{name} row {i}", obj
+
+
+def _raw(dc: DataConfig) -> Iterator[tuple[str, Any]]:
+    if dc.source == "hf":
+        return _hf(dc.path, dc.split)
+    path = Path(dc.path)
+    if not path.is_file():
+        raise DataError(f"data.path: {path} not found (data.source: {dc.source}); set data.path to "
+                        f"an existing .{dc.source} file, relative to where the stage runs")
+    return _jsonl(path) if dc.source == "jsonl" else _parquet(path)
+
+
+class RecordReader:
+    """Iterates the validated records of `dc` (jsonl, parquet or hf), applying `bad`.
+
+    After iteration: `records_read` counts every record met (skipped ones included) and `format`
+    is the layout used. At most `dc.num_samples` valid records are yielded (0 = all).
+    """
+
+    def __init__(self, dc: DataConfig, bad: BadRecords):
+        if dc.source not in ("jsonl", "parquet", "hf"):
+            raise ValueError(f"RecordReader reads files and datasets, not source {dc.source!r}")
+        self.dc = dc
+        self.bad = bad
+        self.format: str | None = None if dc.format == "auto" else dc.format
+        self.records_read = 0
+
+    def __iter__(self) -> Iterator[Record]:
+        yielded = 0
+        for where, obj in _raw(self.dc):
+            if self.dc.num_samples and yielded >= self.dc.num_samples:
+                break
+            self.records_read += 1
+            try:
+                if isinstance(obj, DataError):
+                    raise obj
+                if self.format is None:
+                    self.format = detect_format(obj)
+                    if self.format is None:
+                        raise self._undetectable(where, obj)
+                record = parse_record(obj, self.format, where)
+            except DataError as e:
+                self.bad.handle(e)
+                continue
+            yielded += 1
+            yield record
+        if self.records_read == 0:
+            raise DataError(f"data.path: {self.dc.path} has no records; check the file (or "
+                            f"data.split for source hf)")
+
+    @staticmethod
+    def _undetectable(where: str, obj: Any) -> DataError:
+        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        hint = (" (ShareGPT layout: convert 'conversations' [{from, value}] to 'messages' "
+                "[{role, content}])" if isinstance(obj, dict) and "conversations" in obj else "")
+        return _bad(where, f"cannot tell the record layout from keys {keys}: expected 'messages', "
+                    f"'prompt'+'completion' or 'text'{hint}; or set data.format", "unknown_format")

@@ -1,0 +1,182 @@
+"""What hardware is here, and what every `auto` in params.yaml resolves to on it, with the reason.
+
+All hardware decisions happen in `resolve()`; each returns the value *and* why. Impossible requests
+(bf16 or FlashAttention-2 on a V100, a GPU asked for on a machine without one) are collected and
+raised together as a `PlanError` before any model is built. Tests pass a fake `Hardware`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+
+from .config import Config, ConfigError
+
+# Model families whose decoder layers Liger can patch (liger_kernel.transformers.monkey_patch).
+LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
+
+
+class PlanError(ConfigError):
+    """The request cannot run on this hardware; each problem says what to change."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__(problems, "params.yaml for this hardware")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # "cuda" or "cpu"
+    gpu_name: str | None = None
+    gpu_count: int = 0
+    capability: tuple[int, int] | None = None
+    gpu_mem_gib: float | None = None
+    host_mem_gib: float = 0.0
+    cpu_count: int = 1
+    flash_attn: bool = False
+    liger: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def detect() -> Hardware:
+    """Look at the real machine (no CUDA context is kept if there is no GPU)."""
+    import psutil
+    import torch
+
+    host = psutil.virtual_memory().total / 2**30
+    common = dict(host_mem_gib=round(host, 1), cpu_count=os.cpu_count() or 1,
+                  flash_attn=importlib.util.find_spec("flash_attn") is not None,
+                  liger=importlib.util.find_spec("liger_kernel") is not None)
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        p = torch.cuda.get_device_properties(0)
+        return Hardware(device="cuda", gpu_name=p.name, gpu_count=torch.cuda.device_count(),
+                        capability=(p.major, p.minor), gpu_mem_gib=round(p.total_memory / 2**30, 1),
+                        **common)
+    return Hardware(device="cpu", **common)
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: object
+    reason: str
+
+
+def resolve(cfg: Config, hw: Hardware, model_type: str) -> dict[str, Choice]:
+    """Resolve device, precision, attention, liger and checkpointing for `hw`; raise PlanError."""
+    problems: list[str] = []
+    out: dict[str, Choice] = {}
+    h = cfg.hardware
+    cap = hw.capability
+    cap_s = f"{cap[0]}.{cap[1]}" if cap else None
+
+    # device
+    if h.device == "cuda" and hw.device != "cuda":
+        problems.append("hardware.device: cuda was asked for but no CUDA GPU is visible "
+                        "(check `nvidia-smi`, CUDA_VISIBLE_DEVICES, `docker run --gpus all`); "
+                        "set hardware.device: auto or cpu to run on the CPU")
+        device = "cpu"
+    elif h.device == "auto":
+        device = hw.device
+        out["device"] = Choice(device, f"auto: {'a CUDA GPU is visible (' + str(hw.gpu_name) + ')' if device == 'cuda' else 'no CUDA GPU visible; DeepSpeed CPU accelerator with gloo'}")
+    else:
+        device = h.device
+    out.setdefault("device", Choice(device, f"set in params ({h.device})"))
+
+    if device == "cuda" and h.num_nodes == 1 and h.num_gpus > hw.gpu_count:
+        problems.append(f"hardware.num_gpus: {h.num_gpus} asked for but only {hw.gpu_count} GPU(s) "
+                        f"visible; set hardware.num_gpus <= {hw.gpu_count}")
+    if device == "cpu" and h.num_gpus > hw.cpu_count:
+        problems.append(f"hardware.num_gpus: {h.num_gpus} CPU workers asked for on {hw.cpu_count} "
+                        f"cores; set hardware.num_gpus <= {hw.cpu_count}")
+
+    # precision
+    p = cfg.precision
+    if device == "cpu":
+        if p == "fp16":
+            problems.append("precision: fp16 is not supported on CPU; use bf16 or fp32 (or auto)")
+        out["precision"] = Choice("bf16" if p == "auto" else p,
+                                  "auto: bf16 on CPU (fp16 has no CPU kernels)" if p == "auto"
+                                  else "set in params")
+    else:
+        bf16_ok = cap is not None and cap >= (8, 0)
+        if p == "auto":
+            out["precision"] = Choice("bf16" if bf16_ok else "fp16",
+                                      f"auto: compute capability {cap_s} "
+                                      + ("supports bf16" if bf16_ok else "< 8.0 has no bf16; fp16 with dynamic loss scaling"))
+        else:
+            if p == "bf16" and not bf16_ok:
+                problems.append(f"precision: bf16 needs compute capability >= 8.0 but {hw.gpu_name} "
+                                f"is {cap_s}; use fp16 (dynamic loss scaling) or auto")
+            out["precision"] = Choice(p, "set in params")
+
+    # attention
+    a = cfg.kernels.attention
+    fa2_ok = device == "cuda" and cap is not None and cap >= (8, 0) and hw.flash_attn
+    if a == "auto":
+        if fa2_ok:
+            out["attention"] = Choice("flash_attention_2", f"auto: flash-attn installed, capability {cap_s} >= 8.0")
+        elif device == "cuda" and cap is not None and cap >= (8, 0):
+            out["attention"] = Choice("sdpa", "auto: flash-attn not installed; PyTorch SDPA")
+        elif device == "cuda":
+            out["attention"] = Choice("sdpa", f"auto: capability {cap_s} < 8.0 cannot run FlashAttention-2; PyTorch SDPA (memory-efficient kernel)")
+        else:
+            out["attention"] = Choice("sdpa", "auto: CPU; PyTorch SDPA")
+    else:
+        if a == "flash_attention_2":
+            if device != "cuda":
+                problems.append("kernels.attention: flash_attention_2 needs a CUDA GPU; use sdpa")
+            elif cap is not None and cap < (8, 0):
+                problems.append(f"kernels.attention: flash_attention_2 needs compute capability >= 8.0 "
+                                f"but {hw.gpu_name} is {cap_s}; use sdpa (or auto)")
+            elif not hw.flash_attn:
+                problems.append("kernels.attention: flash_attention_2 asked for but flash-attn is not "
+                                "installed; `pip install longft[flash]` (the Ampere image has it) or use sdpa")
+        out["attention"] = Choice(a, "set in params")
+
+    # liger
+    lg = cfg.kernels.liger
+    family_ok = model_type in LIGER_FAMILIES
+    if lg == "auto":
+        if device != "cuda":
+            out["liger"] = Choice(False, "auto: off on CPU (Liger kernels are Triton GPU kernels)")
+        elif not hw.liger:
+            out["liger"] = Choice(False, "auto: liger-kernel is not installed")
+        elif not family_ok:
+            out["liger"] = Choice(False, f"auto: model_type {model_type!r} has no Liger patch")
+        else:
+            out["liger"] = Choice(True, f"auto: CUDA and Liger supports {model_type!r}")
+    elif lg == "on":
+        if device != "cuda":
+            problems.append("kernels.liger: on needs a CUDA GPU; use auto or off")
+        elif not hw.liger:
+            problems.append("kernels.liger: on but liger-kernel is not installed; `pip install liger-kernel`")
+        elif not family_ok:
+            problems.append(f"kernels.liger: on but model_type {model_type!r} has no Liger patch "
+                            f"(supported: {', '.join(LIGER_FAMILIES)}); set off")
+        out["liger"] = Choice(True, "set in params")
+    else:
+        out["liger"] = Choice(False, "set in params")
+
+    # activation checkpointing
+    m = cfg.checkpointing.mode
+    if m == "auto":
+        out["checkpointing"] = Choice("gpu", "auto: recompute each decoder layer in backward, layer inputs kept on the device")
+    else:
+        if m == "cpu_offload":
+            if device != "cuda":
+                problems.append("checkpointing.mode: cpu_offload needs a CUDA GPU; use gpu or none")
+            else:
+                problems.append("checkpointing.mode: cpu_offload is not available in this version of "
+                                "longft yet; use gpu")
+        out["checkpointing"] = Choice(m, "set in params")
+
+    if device == "cuda" and h.vram_limit_gib is not None and hw.gpu_mem_gib is not None \
+            and h.vram_limit_gib > hw.gpu_mem_gib:
+        problems.append(f"hardware.vram_limit_gib: {h.vram_limit_gib} is more than the "
+                        f"{hw.gpu_mem_gib} GiB of {hw.gpu_name}; lower it or set null")
+
+    if problems:
+        raise PlanError(problems)
+    return out

@@ -1,0 +1,72 @@
+"""Start the training ranks through DeepSpeed's own launcher (or torchrun), never a home-made one.
+
+`command()` is a pure function of the config (tested on CPU); `run()` starts it with a host-memory
+sampler watching the whole process tree (launcher and every rank).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import Config
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def command(cfg: Config, device: str, worker_args: list[str]) -> list[str]:
+    h = cfg.hardware
+    if h.launcher == "torchrun":
+        if h.num_nodes > 1:
+            raise LaunchError("hardware.launcher: torchrun here runs one node; use the deepspeed "
+                              "launcher with hardware.hostfile for several nodes")
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(h.num_gpus),
+                "--master_port", str(h.master_port), "-m", "longft.worker", *worker_args]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if h.hostfile:
+        cmd += ["--hostfile", h.hostfile, "--num_nodes", str(h.num_nodes)]
+    else:
+        # Without a hostfile the launcher runs on localhost only.
+        cmd += ["--num_nodes", "1"]
+    if device == "cuda" or h.hostfile:
+        cmd += ["--num_gpus", str(h.num_gpus)]
+    cmd += ["--master_port", str(h.master_port), "--no_local_rank", "--module", "longft.worker",
+            *worker_args]
+    return cmd
+
+
+def environment(device: str, base: dict | None = None) -> dict:
+    """The ranks' environment: the accelerator pinned, and a DeepSpeed-parsable arch list."""
+    env = dict(os.environ if base is None else base)
+    env["DS_ACCELERATOR"] = "cuda" if device == "cuda" else "cpu"
+    arch = env.get("TORCH_CUDA_ARCH_LIST")
+    if arch:
+        # DeepSpeed's op builder int()-parses each entry; '9.0a' (set by some CUDA images) breaks it.
+        env["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run(cmd: list[str], env: dict, run_dir: Path) -> int:
+    """Run the launcher with the host-memory sampler; return its exit code."""
+    from .monitor import HostSampler
+
+    if cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and shutil.which("ninja") is None:
+        print("longft: note: ninja not on PATH; DeepSpeed may fail to JIT-compile its CPU Adam op",
+              file=sys.stderr)
+    sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv")
+    sampler.start()
+    try:
+        proc = subprocess.run(cmd, env=env)
+    finally:
+        summary = sampler.stop()
+        import json
+        (run_dir / "monitor.json").write_text(json.dumps(summary, indent=2))
+    return proc.returncode

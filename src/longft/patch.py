@@ -1,0 +1,78 @@
+"""Apply the resolved kernels and checkpointing to a model instance, and record what changed.
+
+The patch stage runs `apply()` on a meta-device copy of the model (no memory) to write the record
+into artifacts/plan.json; the train stage runs the same function on the real model and checks that
+the same modules were replaced.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from types import MethodType
+
+
+def _replaced_modules(model) -> dict[str, int]:
+    """Modules whose forward now comes from somewhere else, counted by 'Original->New' name."""
+    seen: Counter = Counter()
+    for _, m in model.named_modules():
+        new = m._get_name()
+        old = type(m).__name__
+        if new != old:
+            seen[f"{old}->{new}"] += 1
+    return dict(sorted(seen.items()))
+
+
+def _forward_owner(model) -> str:
+    fwd = model.forward
+    func = fwd.__func__ if isinstance(fwd, MethodType) else fwd
+    return f"{func.__module__}.{func.__qualname__}"
+
+
+def apply_liger(model) -> None:
+    """Liger RMSNorm, RoPE, SwiGLU and fused linear cross-entropy on this instance."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                    cross_entropy=False, fused_linear_cross_entropy=True)
+
+
+def rope_function(model) -> str:
+    mod = importlib.import_module(type(model).__module__)
+    fn = getattr(mod, "apply_rotary_pos_emb", None)
+    return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else "n/a"
+
+
+def apply(model, liger: bool, checkpointing: str) -> dict:
+    """Patch `model` in place; return the record of what was actually replaced."""
+    if liger:
+        apply_liger(model)
+    model.config.use_cache = False
+    if checkpointing in ("gpu", "cpu_offload"):
+        # Non-reentrant: works with transformers 5 layers that return tensors, and with ZeRO-3.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return {
+        "liger": liger,
+        "replaced_modules": _replaced_modules(model),
+        "forward": _forward_owner(model),
+        "rotary": rope_function(model),
+        "loss": "liger_fused_linear_cross_entropy" if liger else "transformers_cross_entropy",
+        "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+    }
+
+
+def zero3_gather_lm_head(model) -> bool:
+    """Let the fused loss see lm_head's weight under ZeRO-3.
+
+    Liger's fused linear cross-entropy reads `lm_head.weight` inside the model's forward without
+    calling lm_head's own forward, so ZeRO-3 never gathers it (a zero-element weight, a crash).
+    Registering it as an external parameter of the top module makes ZeRO-3 gather it for the whole
+    forward and backward of that module.
+    """
+    import deepspeed
+
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head.weight, "ds_id"):
+        return False
+    deepspeed.zero.register_external_parameter(model, head.weight)
+    return True

@@ -1,0 +1,30 @@
+"""Raw per-rank measurements: runs/train/rank{r}.jsonl, one JSON object per line, flushed each step.
+
+Line types: "env" (rank 0, once), "iter" (one per optimizer step), "end" (status). The metrics stage
+reads them; a run that dies leaves no "end" line and is reported as incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, rank: int):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.path = run_dir / f"rank{rank}.jsonl"
+        self._f = open(self.path, "w", buffering=1)
+
+    def write(self, kind: str, **fields) -> None:
+        rec = {"type": kind, "rank": self.rank, "t": time.time(), **fields}
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()

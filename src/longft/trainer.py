@@ -1,0 +1,205 @@
+"""The training loop on one rank: build the model (ZeRO-3 partitioned as it is created), patch it,
+hand it to DeepSpeed, run `train.iterations` optimizer steps and log every one to runs/train.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from . import patch
+from .config import Config
+from .data.store import PreparedDataset
+from .model import build_model
+from .runlog import RunLog
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says at which step and what to change."""
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _pkg(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def environment(cfg: Config, plan: dict) -> dict:
+    import torch
+
+    r = plan["resolved"]
+    cuda = torch.cuda.is_available()
+    driver = None
+    if cuda:
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # NVML missing or not permitted: driver stays unknown
+            pass
+    return {
+        "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "driver": driver, "cuda": torch.version.cuda if cuda else None,
+        "torch": torch.__version__, "deepspeed": _pkg("deepspeed"),
+        "transformers": _pkg("transformers"), "liger_kernel": _pkg("liger-kernel"),
+        "peft": _pkg("peft"), "python": platform.python_version(),
+        "precision": r["precision"]["value"], "attention": r["attention"]["value"],
+        "checkpointing": r["checkpointing"]["value"], "liger": r["liger"]["value"],
+        "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
+        "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.data.max_seq_length,
+        "model_name": cfg.model.name, "model_source": cfg.model.source,
+        "n_params": plan["model"]["n_params"], "lora_rank": cfg.lora.rank,
+    }
+
+
+def _batches(loader, sampler):
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _build(cfg: Config, plan: dict, ds: dict):
+    import torch
+
+    r = plan["resolved"]
+    dtype = getattr(torch, DTYPES[r["precision"]["value"]])
+    keep = None
+    if cfg.zero.stage == 3:
+        # While this object lives, from_config/from_pretrained create parameters inside
+        # deepspeed.zero.Init: each rank only ever holds its shard.
+        from transformers.integrations import HfDeepSpeedConfig
+        keep = HfDeepSpeedConfig(ds)
+    model = build_model(cfg.model, r["attention"]["value"], dtype)
+    record = patch.apply(model, r["liger"]["value"], r["checkpointing"]["value"])
+    if record["replaced_modules"] != plan["patches"]["replaced_modules"]:
+        raise TrainingError(f"patched modules differ from the plan: {record['replaced_modules']} vs "
+                            f"{plan['patches']['replaced_modules']}; re-run `dvc repro patch`")
+    if r["liger"]["value"] and cfg.zero.stage == 3:
+        patch.zero3_gather_lm_head(model)
+    if cfg.lora.rank > 0:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(
+            r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+            target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
+    return model, keep
+
+
+def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
+          ckpt_dir: Path | None) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.data import DataLoader, DistributedSampler
+    from tqdm import tqdm
+
+    device = plan["resolved"]["device"]["value"]
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != cfg.world_size:
+        raise TrainingError(f"launched with {world} processes but params ask for "
+                            f"{cfg.world_size} (hardware.num_gpus x num_nodes)")
+    log = RunLog(run_dir, rank)
+    if rank == 0:
+        log.write("env", **environment(cfg, plan))
+    if device == "cuda" and cfg.hardware.vram_limit_gib:
+        total = torch.cuda.get_device_properties(local_rank).total_memory
+        torch.cuda.set_per_process_memory_fraction(cfg.hardware.vram_limit_gib * 2**30 / total, local_rank)
+    deepspeed.runtime.utils.set_random_seed(cfg.train.seed)
+
+    data = PreparedDataset(data_dir)
+    need = cfg.train.micro_batch_size * world
+    if len(data) < need:
+        raise TrainingError(f"{len(data)} prepared rows but one micro-step needs {need} "
+                            f"(micro_batch_size x GPUs); raise data.num_samples")
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=cfg.train.seed, drop_last=True)
+    loader = DataLoader(data, batch_size=cfg.train.micro_batch_size, sampler=sampler,
+                        pin_memory=device == "cuda", num_workers=0)
+    batches = _batches(loader, sampler)
+
+    model, _keep = _build(cfg, plan, ds)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
+    cuda = device == "cuda"
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    accum, seq = cfg.grad_accum_steps, cfg.data.max_seq_length
+    warm = cfg.train.warmup_iterations
+    bar = tqdm(range(1, cfg.train.iterations + 1), desc="train", unit="step",
+               disable=rank != 0 or None)
+    step = 0
+    try:
+        for step in bar:
+            fwd = bwd = 0.0
+            losses = []
+            skipped_before = engine.skipped_steps
+            t0 = now()
+            for micro in range(accum):
+                b = {k: v.to(engine.device, non_blocking=True) for k, v in next(batches).items()}
+                a = now()
+                loss = engine(input_ids=b["input_ids"], labels=b["labels"],
+                              position_ids=b["position_ids"]).loss
+                c = now()
+                engine.backward(loss)
+                if micro < accum - 1:
+                    engine.step()  # DeepSpeed only counts the micro-step here
+                d = now()
+                fwd, bwd = fwd + c - a, bwd + d - c
+                losses.append(loss.detach().float().item())
+            e = now()
+            engine.step()
+            f = now()
+            mean_loss = sum(losses) / len(losses)
+            if not math.isfinite(mean_loss):
+                raise TrainingError(f"loss is {mean_loss} at step {step}: training would go on on "
+                                    f"garbage. Lower optim.lr, check the data, or use bf16")
+            rec = dict(step=step, loss=mean_loss, lr=engine.get_lr()[0],
+                       tokens=accum * cfg.train.micro_batch_size * seq,
+                       seq_tokens=accum * cfg.train.micro_batch_size * seq,
+                       time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e, timed=step > warm,
+                       skipped=engine.skipped_steps > skipped_before,
+                       max_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+                       max_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
+            log.write("iter", **rec)
+            if rank == 0:
+                bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{rec['tokens'] * world / rec['time_s']:.0f}")
+                if step % cfg.train.log_every == 0 and bar.disable:
+                    print(f"step {step}/{cfg.train.iterations} loss {mean_loss:.4f} "
+                          f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
+        if ckpt_dir is not None:
+            engine.save_checkpoint(str(ckpt_dir), tag="final")
+    except torch.OutOfMemoryError as e:
+        log.write("end", status="failed", steps=step - 1, error=f"CUDA out of memory: {e}")
+        log.close()
+        raise TrainingError(
+            f"CUDA out of memory at step {step}, sequence length {seq}, micro-batch "
+            f"{cfg.train.micro_batch_size}: lower data.max_seq_length or train.micro_batch_size, "
+            f"offload more (zero.offload_param: cpu) or keep checkpointing on") from None
+    except BaseException as e:
+        log.write("end", status="failed", steps=step - 1, error=f"{type(e).__name__}: {e}")
+        log.close()
+        raise
+    log.write("end", status="complete", steps=step)
+    log.close()
+    dist.barrier()

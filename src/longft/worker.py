@@ -1,0 +1,43 @@
+"""One training rank, started by the deepspeed launcher (or torchrun) from `stages/train.py`.
+
+    deepspeed --num_gpus 1 --no_local_rank --module longft.worker --params params.yaml \
+        --plan artifacts/plan.json --ds-config artifacts/ds_config.json \
+        --data data/prepared --run runs/train --checkpoints checkpoints
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .config import ConfigError, load
+from .trainer import TrainingError, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="longft.worker")
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--plan", default="artifacts/plan.json")
+    ap.add_argument("--ds-config", default="artifacts/ds_config.json")
+    ap.add_argument("--data", default="data/prepared")
+    ap.add_argument("--run", default="runs/train")
+    ap.add_argument("--checkpoints", default=None)
+    a = ap.parse_args(argv)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    try:
+        cfg = load(a.params)
+        plan = json.loads(Path(a.plan).read_text())
+        ds = json.loads(Path(a.ds_config).read_text())
+        train(cfg, plan, ds, Path(a.data), Path(a.run),
+              Path(a.checkpoints) if a.checkpoints else None)
+    except (ConfigError, TrainingError, ValueError) as e:
+        print(f"longft train: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

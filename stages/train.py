@@ -1,0 +1,61 @@
+"""DVC stage `train`: launch the ranks through the deepspeed launcher (or torchrun) and watch the
+host memory of the whole process tree.
+
+    python stages/train.py [--params params.yaml] [--plan artifacts/plan.json] \
+        [--ds-config artifacts/ds_config.json] [--data data/prepared] [--run runs/train] \
+        [--checkpoints checkpoints]
+
+Writes runs/train/rank{r}.jsonl (per-step measurements), runs/train/memory.csv and
+runs/train/monitor.json (host/GPU memory timeline and peaks), and checkpoints/ when
+output.save_checkpoint is true.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from longft.config import ConfigError, load
+from longft.launch import LaunchError, command, environment, run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--plan", default="artifacts/plan.json")
+    ap.add_argument("--ds-config", default="artifacts/ds_config.json")
+    ap.add_argument("--data", default="data/prepared")
+    ap.add_argument("--run", default="runs/train")
+    ap.add_argument("--checkpoints", default="checkpoints")
+    a = ap.parse_args()
+    try:
+        cfg = load(a.params)
+        plan = json.loads(Path(a.plan).read_text())
+        meta = json.loads((Path(a.data) / "meta.json").read_text())
+        if meta["max_seq_length"] != cfg.data.max_seq_length:
+            raise ConfigError([f"data.max_seq_length is {cfg.data.max_seq_length} but {a.data} was "
+                               f"prepared at {meta['max_seq_length']}; run `dvc repro` (prepare)"])
+        device = plan["resolved"]["device"]["value"]
+        worker = ["--params", a.params, "--plan", a.plan, "--ds-config", a.ds_config,
+                  "--data", a.data, "--run", a.run]
+        if cfg.output.save_checkpoint:
+            worker += ["--checkpoints", a.checkpoints]
+        cmd = command(cfg, device, worker)
+    except FileNotFoundError as e:
+        print(f"longft train: {e.filename} is missing; run `dvc repro` (prepare and patch first)",
+              file=sys.stderr)
+        return 2
+    except (ConfigError, LaunchError) as e:
+        print(f"longft train: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(a.run)
+    shutil.rmtree(run_dir, ignore_errors=True)  # measurements of the previous run of this stage
+    run_dir.mkdir(parents=True)
+    Path(a.checkpoints).mkdir(parents=True, exist_ok=True)
+    print("train:", " ".join(cmd), flush=True)
+    return run(cmd, environment(device), run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
