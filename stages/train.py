@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from longft.config import ConfigError, load
-from longft.launch import LaunchError, command, environment, run
+from longft.launch import LaunchError, command, environment, free_port, run
 
 
 def main() -> int:
@@ -41,7 +41,12 @@ def main() -> int:
                   "--data", a.data, "--run", a.run]
         if cfg.output.save_checkpoint:
             worker += ["--checkpoints", a.checkpoints]
-        cmd = command(cfg, device, worker)
+        port = cfg.hardware.master_port
+        if cfg.hardware.num_nodes == 1:
+            port = free_port(port)
+            if port != cfg.hardware.master_port:
+                print(f"train: port {cfg.hardware.master_port} is in use here; using {port}")
+        cmd = command(cfg, device, worker, port)
     except FileNotFoundError as e:
         print(f"longft train: {e.filename} is missing; run `dvc repro` (prepare and patch first)",
               file=sys.stderr)

@@ -347,8 +347,9 @@ def from_dict(raw: dict, source: str = "params.yaml") -> Config:
         raise ConfigError([f"top level: expected a mapping of sections, got {type(raw).__name__}"],
                           source)
     cfg = _build(Config, raw, "", problems)
-    if not problems:
-        problems = _check(cfg)
+    # Fields with a bad type fell back to their (valid) defaults, so range and combination
+    # checks still run and everything wrong is reported in one go.
+    problems += _check(cfg)
     if problems:
         raise ConfigError(problems, source)
     return cfg

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from .atomic import write_json
 from .config import Config
 
 
@@ -20,14 +22,16 @@ class LaunchError(RuntimeError):
     pass
 
 
-def command(cfg: Config, device: str, worker_args: list[str]) -> list[str]:
+def command(cfg: Config, device: str, worker_args: list[str], port: int | None = None) -> list[str]:
+    """The launcher command line; `port` overrides hardware.master_port (e.g. when it is taken)."""
     h = cfg.hardware
+    port = h.master_port if port is None else port
     if h.launcher == "torchrun":
         if h.num_nodes > 1:
             raise LaunchError("hardware.launcher: torchrun here runs one node; use the deepspeed "
                               "launcher with hardware.hostfile for several nodes")
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(h.num_gpus),
-                "--master_port", str(h.master_port), "-m", "longft.worker", *worker_args]
+                "--master_port", str(port), "-m", "longft.worker", *worker_args]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if h.hostfile:
         cmd += ["--hostfile", h.hostfile, "--num_nodes", str(h.num_nodes)]
@@ -36,7 +40,7 @@ def command(cfg: Config, device: str, worker_args: list[str]) -> list[str]:
         cmd += ["--num_nodes", "1"]
     if device == "cuda" or h.hostfile:
         cmd += ["--num_gpus", str(h.num_gpus)]
-    cmd += ["--master_port", str(h.master_port), "--no_local_rank", "--module", "longft.worker",
+    cmd += ["--master_port", str(port), "--no_local_rank", "--module", "longft.worker",
             *worker_args]
     return cmd
 
@@ -66,7 +70,18 @@ def run(cmd: list[str], env: dict, run_dir: Path) -> int:
     try:
         proc = subprocess.run(cmd, env=env)
     finally:
-        summary = sampler.stop()
-        import json
-        (run_dir / "monitor.json").write_text(json.dumps(summary, indent=2))
+        write_json(run_dir / "monitor.json", sampler.stop())
     return proc.returncode
+
+
+def free_port(preferred: int) -> int:
+    """`preferred` if nothing listens on it here, else a free port the OS picks."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            pass
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

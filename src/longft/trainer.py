@@ -15,6 +15,7 @@ from . import patch
 from .config import Config
 from .data.store import PreparedDataset
 from .model import build_model
+from .monitor import gpu_inventory
 from .runlog import RunLog
 
 
@@ -37,14 +38,8 @@ def environment(cfg: Config, plan: dict) -> dict:
 
     r = plan["resolved"]
     cuda = torch.cuda.is_available()
-    driver = None
-    if cuda:
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            driver = pynvml.nvmlSystemGetDriverVersion()
-        except Exception:  # NVML missing or not permitted: driver stays unknown
-            pass
+    gpus = gpu_inventory() if cuda else []
+    driver = gpus[0]["driver"] if gpus else None
     return {
         "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
         "gpu_count": torch.cuda.device_count() if cuda else 0,
@@ -61,6 +56,15 @@ def environment(cfg: Config, plan: dict) -> dict:
         "model_name": cfg.model.name, "model_source": cfg.model.source,
         "n_params": plan["model"]["n_params"], "lora_rank": cfg.lora.rank,
     }
+
+
+def real_tokens(input_ids, labels, pad_id: int) -> int:
+    """Positions that are not tail padding (pad id with no label, at the end of each row)."""
+    import torch
+
+    pad = (input_ids == pad_id) & (labels == -100)
+    tail = torch.cumprod(pad.flip(-1).int(), dim=-1).sum()
+    return int(input_ids.numel() - tail)
 
 
 def _batches(loader, sampler):
@@ -133,6 +137,7 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     loader = DataLoader(data, batch_size=cfg.train.micro_batch_size, sampler=sampler,
                         pin_memory=device == "cuda", num_workers=0)
     batches = _batches(loader, sampler)
+    pad_id = int(data.meta["pad_token_id"]) if data.meta.get("pad_token_id") is not None else -1
 
     model, _keep = _build(cfg, plan, ds)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -153,10 +158,13 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         for step in bar:
             fwd = bwd = 0.0
             losses = []
+            tokens = 0
             skipped_before = engine.skipped_steps
             t0 = now()
             for micro in range(accum):
-                b = {k: v.to(engine.device, non_blocking=True) for k, v in next(batches).items()}
+                cpu_batch = next(batches)
+                tokens += real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
+                b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
                 a = now()
                 loss = engine(input_ids=b["input_ids"], labels=b["labels"],
                               position_ids=b["position_ids"]).loss
@@ -175,7 +183,7 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                 raise TrainingError(f"loss is {mean_loss} at step {step}: training would go on on "
                                     f"garbage. Lower optim.lr, check the data, or use bf16")
             rec = dict(step=step, loss=mean_loss, lr=engine.get_lr()[0],
-                       tokens=accum * cfg.train.micro_batch_size * seq,
+                       tokens=tokens,
                        seq_tokens=accum * cfg.train.micro_batch_size * seq,
                        time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e, timed=step > warm,
                        skipped=engine.skipped_steps > skipped_before,

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 from .config import ConfigError, load
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", default=None)
     a = ap.parse_args(argv)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed 0.19 calls c10d collectives that torch 2.13 marks deprecated, once per call.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+.* is deprecated",
+                            category=FutureWarning)
     try:
         cfg = load(a.params)
         plan = json.loads(Path(a.plan).read_text())

@@ -40,11 +40,12 @@ def detect_format(obj: Any) -> str | None:
     """The layout implied by a record's keys, or None when none matches."""
     if not isinstance(obj, dict):
         return None
-    if "messages" in obj:
+    present = {k for k, v in obj.items() if v is not None}  # parquet/datasets fill absent with None
+    if "messages" in present:
         return "messages"
-    if "prompt" in obj and "completion" in obj:
+    if {"prompt", "completion"} <= present:
         return "prompt_completion"
-    if "text" in obj:
+    if "text" in present:
         return "text"
     return None
 

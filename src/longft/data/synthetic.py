@@ -1,0 +1,132 @@
+"""A generated long-context retrieval-with-citation task: deterministic, seeded, learnable.
+
+Each sample is a chat: the user message holds many short documents, each stating facts about a
+made-up entity ("[doc 17] Kestrel-Alder is an observatory near Vellmoor. The code of Kestrel-Alder
+is 4821. ..."), then asks for one fact; the assistant answers with the value and cites the document
+("The code of Kestrel-Alder is 4821 [doc 17]."). Only one document mentions the asked entity, so
+the answer needs retrieval over the whole context. Documents are added until the tokenized sample
+is as long as fits in max_seq_length: the length is measured with the real tokenizer (through
+`count_tokens`), guided by the tokens per document measured so far, so a sample takes a few
+tokenizations. Sample i depends only on (seed, i): the same seed gives identical data, and more
+samples extend the list without changing the first ones.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from .errors import DataError
+from .records import Record
+
+_SYLLABLES = ("ka", "lo", "ven", "dra", "mi", "sor", "tal", "rin", "bek", "ul", "zan", "fe", "qui",
+              "mor", "es", "tha", "gil", "pra", "nox", "ard", "vel", "cor", "isk", "bru")
+_KINDS = ("observatory", "guild", "river ferry", "orchard", "archive", "foundry", "lighthouse",
+          "bakery", "shipyard", "library", "glassworks", "monastery", "weather station", "mill")
+_PLACES = ("Vellmoor", "Ostrand", "Quillhaven", "Marrowdale", "Tessgrove", "Brakkenford",
+           "Sunmere", "Halvik", "Corrowby", "Ildenfell")
+_FILLERS = (
+    "It is busiest in the early morning.",
+    "Visitors often mention the smell of cedar.",
+    "Its records were moved twice during the floods.",
+    "A small garden grows along the east wall.",
+    "The staff rotate every third week.",
+    "Nobody remembers who painted the front door blue.",
+    "It closes for one day after each full moon.",
+    "The roof was rebuilt with slate from the northern quarry.",
+)
+_ATTRIBUTES: tuple[tuple[str, Callable[[random.Random], str]], ...] = (
+    ("code", lambda r: str(r.randint(1000, 9999))),
+    ("room number", lambda r: str(r.randint(100, 999))),
+    ("founding year", lambda r: str(r.randint(1650, 2020))),
+    ("badge", lambda r: f"{r.choice('ABCDEFGHJKLMNPQRSTUVWXYZ')}{r.choice('ABCDEFGHJKLMNPQRSTUVWXYZ')}"
+                        f"-{r.randint(100, 999)}"),
+)
+
+
+@dataclass(frozen=True)
+class Fact:
+    entity: str
+    attribute: str
+    value: str
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+
+
+def _document(rng: random.Random, used: set[str]) -> tuple[Fact, str]:
+    entity = f"{_word(rng)}-{_word(rng)}"
+    while entity in used:
+        entity = f"{_word(rng)}-{_word(rng)}"
+    used.add(entity)
+    attribute, make = rng.choice(_ATTRIBUTES)
+    fact = Fact(entity, attribute, make(rng))
+    kind = rng.choice(_KINDS)
+    article = "an" if kind[0] in "aeiou" else "a"
+    text = (f"{entity} is {article} {kind} near {rng.choice(_PLACES)}. "
+            f"The {attribute} of {entity} is {fact.value}. {rng.choice(_FILLERS)}")
+    return fact, text
+
+
+def build_messages(docs: list[str], target: int, fact: Fact) -> list[dict]:
+    """The chat for documents `docs` where docs[target] states `fact` (ids count from 1)."""
+    body = "\n".join(f"[doc {i + 1}] {d}" for i, d in enumerate(docs))
+    question = f"What is the {fact.attribute} of {fact.entity}?"
+    user = (f"Read the {len(docs)} documents below, then answer the question. Cite the document "
+            f"you used as [doc N].\n\n{body}\n\nQuestion: {question}")
+    answer = f"The {fact.attribute} of {fact.entity} is {fact.value} [doc {target + 1}]."
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+def synthetic_sample(index: int, seed: int, max_len: int,
+                     count_tokens: Callable[[list[dict]], int]) -> Record:
+    """Sample `index`: as many documents as fit in max_len tokens as measured by count_tokens."""
+    rng = random.Random(f"longft-synthetic:{seed}:{index}")
+    used: set[str] = set()
+    fact, target_text = _document(rng, used)
+    where_frac = rng.random()  # the asked document's relative position in the context
+    distractors: list[str] = []
+
+    def messages(k: int) -> list[dict]:
+        while len(distractors) < k:
+            distractors.append(_document(rng, used)[1])
+        docs = distractors[:k]
+        pos = round(where_frac * k)
+        docs.insert(pos, target_text)
+        return build_messages(docs, pos, fact)
+
+    n0 = count_tokens(messages(0))
+    if n0 > max_len:
+        raise DataError(f"data.max_seq_length {max_len} is too small for the synthetic task: one "
+                        f"document with its question and answer takes {n0} tokens; raise it")
+    # Search the number of distractors k: `lo` fits, `hi` does not; stop when they are adjacent.
+    chars0 = sum(len(m["content"]) for m in messages(0))
+    per_doc = (len(target_text) + 10) * n0 / chars0  # tokens per document, refined below
+    lo, hi = 0, None
+    k = max(1, int((max_len - n0) / per_doc))
+    while hi is None or hi - lo > 1:
+        msgs = messages(k)
+        n = count_tokens(msgs)
+        if n <= max_len:
+            lo = k
+        else:
+            hi = k
+        if hi is not None and hi - lo <= 1:
+            break
+        per_doc = max((n - n0) / k, 1.0)
+        if n <= max_len:
+            k += max(1, int((max_len - n) / per_doc))
+        else:
+            k -= max(1, math.ceil((n - max_len) / per_doc))
+        k = max(k, lo + 1) if hi is None else min(max(k, lo + 1), hi - 1)
+    return Record(f"synthetic sample {index}", "messages", messages=tuple(messages(lo)))
+
+
+def synthetic_records(num_samples: int, max_len: int, seed: int,
+                      count_tokens: Callable[[list[dict]], int]) -> Iterator[Record]:
+    """num_samples chat records of the retrieval-with-citation task (see the module docstring)."""
+    for i in range(num_samples):
+        yield synthetic_sample(i, seed, max_len, count_tokens)

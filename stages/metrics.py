@@ -1,0 +1,57 @@
+"""DVC stage `metrics`: raw per-rank measurements -> metrics/ (train.json, env.json, loss.csv,
+memory.csv, memory.png, report.md).
+
+Run from the repository root:
+    python stages/metrics.py [--run runs/train] [--plan artifacts/plan.json] [--out metrics]
+
+A partial or failed run still gets every output, with status "incomplete". Exit status 2 with a
+one-line message (no traceback) when the run directory does not exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from longft.metrics import summarize, write_outputs
+
+
+def _fmt(x, unit: str = "", nd: int = 2) -> str:
+    return "n/a" if x is None else f"{x:,.{nd}f}{unit}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", default="runs/train", help="raw measurements of the train stage")
+    ap.add_argument("--plan", default="artifacts/plan.json", help="for the model's FLOPs per token")
+    ap.add_argument("--out", default="metrics")
+    a = ap.parse_args()
+    run_dir, plan_path = Path(a.run), Path(a.plan)
+    if not run_dir.is_dir():
+        print(f"longft metrics: run directory {run_dir} does not exist; run the train stage first "
+              "(dvc repro train)", file=sys.stderr)
+        return 2
+    try:
+        plan = json.loads(plan_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"longft metrics: note: no usable {plan_path} ({e.__class__.__name__}); "
+              "FLOPs per token and MFU will be null", file=sys.stderr)
+        plan = {}
+    train, env, loss_rows = summarize(run_dir, plan)
+    write_outputs(Path(a.out), train, env, loss_rows, run_dir)
+    vram, dram, loss = train["peak_vram"], train["peak_dram"], train["loss"]
+    vram_gib = vram["max_reserved_gib"] if vram["max_reserved_gib"] is not None \
+        else vram["nvml_used_gib"]
+    print(f"metrics: {train['status']}, {train['steps']} steps; "
+          f"{_fmt(train['tokens_per_s'], ' tokens/s', 1)}, "
+          f"peak VRAM {_fmt(vram_gib, ' GiB')}, "
+          f"peak DRAM {_fmt(dram['rss_tree_gib'], ' GiB')} (tree RSS), "
+          f"loss {_fmt(loss['first'], '', 4)} -> {_fmt(loss['last'], '', 4)}"
+          + ("" if train["mfu"] is None else f", MFU {100 * train['mfu']:.1f} %"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
