@@ -1,0 +1,91 @@
+"""Run benchmark rows: each overlay YAML is merged onto params.yaml and run through the same four
+stages as `dvc repro` (prepare -> patch -> train -> metrics), in its own work folder; the result
+goes to bench/results/<name>.json with the full params, the commit and the raw metrics.
+
+    python scripts/bench.py bench/configs/h200-1b-16k-gpu.yaml [more.yaml ...] \
+        [--commit SHA] [--work /tmp/longft-bench] [--results bench/results]
+
+Use this where DVC is not installed (the GPU machine); elsewhere the same rows run as
+`dvc exp run -S ...` experiments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from longft.atomic import write_json  # noqa: E402
+from longft.config import ConfigError, from_dict, merge  # noqa: E402
+from longft.pipeline import StageFailed, run_all, run_stage, stage_commands  # noqa: E402
+
+
+def run_row(overlay_path: Path, work_root: Path, results: Path, commit: str) -> dict:
+    name = overlay_path.stem
+    overlay = yaml.safe_load(overlay_path.read_text()) or {}
+    note = overlay.pop("bench_note", "")
+    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), overlay)
+    from_dict(params, str(overlay_path))  # refuse bad rows before any work
+    work = work_root / name
+    work.mkdir(parents=True, exist_ok=True)
+    p = work / "params.yaml"
+    p.write_text(yaml.safe_dump(params, sort_keys=False))
+    out = {"name": name, "note": note, "commit": commit, "overlay": overlay, "params": params,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    with open(work / "log.txt", "w") as log:
+        print(f"[bench] {name}: {note}", flush=True)
+        try:
+            run_all(p, work, ("prepare", "patch", "train"), log=log, echo=True)
+            out["status"] = "ok"
+        except StageFailed as e:
+            out["status"] = f"failed: stage {e.name} exited {e.code}"
+            out["log_tail"] = e.output.splitlines()[-80:]
+        if (work / "run").is_dir():
+            try:
+                run_stage("metrics", stage_commands(p, work)["metrics"], log=log, echo=True)
+            except StageFailed as e:
+                out["status"] += f"; metrics exited {e.code}"
+    for key, f in (("train", "metrics/train.json"), ("env", "metrics/env.json"),
+                   ("plan", "artifacts/plan.json")):
+        if (work / f).is_file():
+            out[key] = json.loads((work / f).read_text())
+    if "plan" in out:
+        out["plan"] = {k: out["plan"][k] for k in ("resolved", "patches", "model", "batch",
+                                                   "memory_estimate", "hardware")}
+    write_json(results / f"{name}.json", out)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("overlays", nargs="+", type=Path)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/longft-bench"))
+    ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
+    a = ap.parse_args()
+    rows = []
+    for o in a.overlays:
+        try:
+            rows.append(run_row(o, a.work, a.results, a.commit))
+        except ConfigError as e:
+            print(f"[bench] {o}: {e}", file=sys.stderr)
+            rows.append({"name": o.stem, "status": f"bad params: {e}"})
+    print("\n| row | status | tokens/s | MFU | peak VRAM alloc GiB | peak DRAM GiB |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        t = r.get("train") or {}
+        print(f"| {r['name']} | {r['status'][:60]} | {t.get('tokens_per_s')} | {t.get('mfu')} | "
+              f"{(t.get('peak_vram') or {}).get('max_allocated_gib')} | "
+              f"{(t.get('peak_dram') or {}).get('rss_tree_gib')} |")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
