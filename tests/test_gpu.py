@@ -30,10 +30,16 @@ def _loss_and_grads(model, ids):
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
-def test_liger_matches_unpatched_model(dtype, rtol):
+def test_liger_matches_unpatched_model(dtype, rtol, monkeypatch):
     import copy
 
+    from transformers.models.llama import modeling_llama
+
     from longft.patch import apply
+
+    # Liger also swaps module-level classes/functions; restore them after this test.
+    for name in ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb"):
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
 
     ref = _tiny(dtype)
     patched = copy.deepcopy(ref)
