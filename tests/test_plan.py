@@ -22,8 +22,8 @@ def values(cfg, hw, model_type="llama"):
 
 def test_v100_resolves_fp16_sdpa():
     v = values(from_dict({}), V100)
-    assert v == {"device": "cuda", "precision": "fp16", "attention": "sdpa", "liger": True,
-                 "checkpointing": "gpu"}
+    assert v == {"device": "cuda", "precision": "fp16", "attention": "sdpa",
+                 "sdpa_backend": "efficient", "liger": True, "checkpointing": "gpu"}
 
 
 def test_a100_with_flash_attn_resolves_bf16_fa2():
@@ -36,12 +36,39 @@ def test_h200_without_flash_attn_falls_back_to_sdpa_with_reason():
     assert r["precision"].value == "bf16"
     assert r["attention"].value == "sdpa"
     assert "flash-attn not installed" in r["attention"].reason
+    assert r["sdpa_backend"].value == "cudnn" and "Hopper" in r["sdpa_backend"].reason
+
+
+def test_sdpa_kernel_per_generation():
+    a100_no_fa = Hardware(**{**A100.to_dict(), "flash_attn": False})
+    assert values(from_dict({}), a100_no_fa)["sdpa_backend"] == "flash"
+    assert values(from_dict({}), A100)["sdpa_backend"] == "default"  # FA2 package, not SDPA
+    assert values(from_dict({"kernels": {"sdpa_backend": "math"}}), H200)["sdpa_backend"] == "math"
+
+
+def test_sdpa_kernel_impossible_requests():
+    with pytest.raises(PlanError, match="sdpa_backend: cudnn needs compute capability >= 8.0"):
+        resolve(from_dict({"kernels": {"sdpa_backend": "cudnn"}}), V100, "llama")
+    with pytest.raises(PlanError, match="sdpa_backend: efficient needs a CUDA GPU"):
+        resolve(from_dict({"kernels": {"sdpa_backend": "efficient"}}), CPU, "llama")
+
+
+def test_v100_plan_expands_kv_heads_for_the_efficient_kernel(monkeypatch):
+    from transformers.integrations import sdpa_attention
+
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", sdpa_attention.use_gqa_in_sdpa)
+    plan, _ = make_plan(from_dict({}), V100)
+    assert plan["patches"]["sdpa_kernels"] == ["efficient", "math"]
+    assert plan["patches"]["gqa"] == "repeat_kv"
+    import torch
+    k = torch.zeros(1, 2, 4, 16)
+    assert sdpa_attention.use_gqa_in_sdpa(None, k, k) is False
 
 
 def test_cpu_resolves_bf16_sdpa_no_liger():
     v = values(from_dict({}), CPU)
-    assert v == {"device": "cpu", "precision": "bf16", "attention": "sdpa", "liger": False,
-                 "checkpointing": "gpu"}
+    assert v == {"device": "cpu", "precision": "bf16", "attention": "sdpa",
+                 "sdpa_backend": "default", "liger": False, "checkpointing": "gpu"}
 
 
 def test_liger_auto_off_for_unsupported_family():

@@ -69,6 +69,9 @@ class KernelsConfig:
     """Liger fused kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); auto = on with CUDA."""
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
     """auto = flash_attention_2 when installed on compute capability >= 8.0, else sdpa."""
+    sdpa_backend: Literal["auto", "default", "flash", "cudnn", "efficient", "math"] = "auto"
+    """With attention sdpa: the kernel SDPA tries first (fallbacks: efficient, math). auto = cudnn on
+    compute capability >= 9.0, flash on 8.x, efficient on 7.x, PyTorch's default on CPU."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import importlib
 from collections import Counter
 from types import MethodType
 
+from . import attention
+
 
 def _replaced_modules(model) -> dict[str, int]:
     """Modules whose forward now comes from somewhere else, counted by 'Original->New' name."""
@@ -43,10 +45,12 @@ def rope_function(model) -> str:
     return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else "n/a"
 
 
-def apply(model, liger: bool, checkpointing: str) -> dict:
+def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default") -> dict:
     """Patch `model` in place; return the record of what was actually replaced."""
     if liger:
         apply_liger(model)
+    if sdpa_backend == "efficient":
+        attention.expand_kv_heads()
     model.config.use_cache = False
     if checkpointing in ("gpu", "cpu_offload"):
         # Non-reentrant: works with transformers 5 layers that return tensors, and with ZeRO-3.
@@ -58,6 +62,8 @@ def apply(model, liger: bool, checkpointing: str) -> dict:
         "rotary": rope_function(model),
         "loss": "liger_fused_linear_cross_entropy" if liger else "transformers_cross_entropy",
         "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        "sdpa_kernels": attention.priority(sdpa_backend) if sdpa_backend != "default" else "default",
+        "gqa": "repeat_kv" if sdpa_backend == "efficient" else "enable_gqa",
     }
 
 

@@ -45,7 +45,8 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     choices = hardware.resolve(cfg, hw, mc.model_type)
     precision = choices["precision"].value
     model = meta_model(mc, choices["attention"].value)
-    record = patch.apply(model, choices["liger"].value, choices["checkpointing"].value)
+    record = patch.apply(model, choices["liger"].value, choices["checkpointing"].value,
+                         choices["sdpa_backend"].value)
     n_params = sum(p.numel() for p in model.parameters())
     arch = architecture(mc)
     if cfg.lora.rank > 0:

@@ -11,7 +11,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from . import patch
+from . import attention, patch
 from .config import Config
 from .data.store import PreparedDataset
 from .model import build_model
@@ -87,7 +87,8 @@ def _build(cfg: Config, plan: dict, ds: dict):
         from transformers.integrations import HfDeepSpeedConfig
         keep = HfDeepSpeedConfig(ds)
     model = build_model(cfg.model, r["attention"]["value"], dtype)
-    record = patch.apply(model, r["liger"]["value"], r["checkpointing"]["value"])
+    record = patch.apply(model, r["liger"]["value"], r["checkpointing"]["value"],
+                         r["sdpa_backend"]["value"])
     if record["replaced_modules"] != plan["patches"]["replaced_modules"]:
         raise TrainingError(f"patched modules differ from the plan: {record['replaced_modules']} vs "
                             f"{plan['patches']['replaced_modules']}; re-run `dvc repro patch`")
@@ -99,6 +100,34 @@ def _build(cfg: Config, plan: dict, ds: dict):
             r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
             target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
     return model, keep
+
+
+def _step(engine, batches, accum: int, pad_id: int, now) -> dict:
+    """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer."""
+    fwd = bwd = 0.0
+    losses, tokens = [], 0
+    skipped_before = engine.skipped_steps
+    t0 = now()
+    for micro in range(accum):
+        cpu_batch = next(batches)
+        tokens += real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
+        b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
+        a = now()
+        loss = engine(input_ids=b["input_ids"], labels=b["labels"],
+                      position_ids=b["position_ids"]).loss
+        c = now()
+        engine.backward(loss)
+        if micro < accum - 1:
+            engine.step()  # DeepSpeed only counts the micro-step here
+        d = now()
+        fwd, bwd = fwd + c - a, bwd + d - c
+        losses.append(loss.detach().float().item())
+    e = now()
+    engine.step()
+    f = now()
+    return dict(loss=sum(losses) / len(losses), lr=engine.get_lr()[0], tokens=tokens,
+                time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
+                skipped=engine.skipped_steps > skipped_before)
 
 
 def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
@@ -149,52 +178,29 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    accum, seq = cfg.grad_accum_steps, cfg.data.max_seq_length
-    warm = cfg.train.warmup_iterations
+    seq = cfg.data.max_seq_length
     bar = tqdm(range(1, cfg.train.iterations + 1), desc="train", unit="step",
                disable=rank != 0 or None)
     step = 0
     try:
-        for step in bar:
-            fwd = bwd = 0.0
-            losses = []
-            tokens = 0
-            skipped_before = engine.skipped_steps
-            t0 = now()
-            for micro in range(accum):
-                cpu_batch = next(batches)
-                tokens += real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
-                b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
-                a = now()
-                loss = engine(input_ids=b["input_ids"], labels=b["labels"],
-                              position_ids=b["position_ids"]).loss
-                c = now()
-                engine.backward(loss)
-                if micro < accum - 1:
-                    engine.step()  # DeepSpeed only counts the micro-step here
-                d = now()
-                fwd, bwd = fwd + c - a, bwd + d - c
-                losses.append(loss.detach().float().item())
-            e = now()
-            engine.step()
-            f = now()
-            mean_loss = sum(losses) / len(losses)
-            if not math.isfinite(mean_loss):
-                raise TrainingError(f"loss is {mean_loss} at step {step}: training would go on on "
-                                    f"garbage. Lower optim.lr, check the data, or use bf16")
-            rec = dict(step=step, loss=mean_loss, lr=engine.get_lr()[0],
-                       tokens=tokens,
-                       seq_tokens=accum * cfg.train.micro_batch_size * seq,
-                       time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e, timed=step > warm,
-                       skipped=engine.skipped_steps > skipped_before,
-                       max_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
-                       max_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
-            log.write("iter", **rec)
-            if rank == 0:
-                bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{rec['tokens'] * world / rec['time_s']:.0f}")
-                if step % cfg.train.log_every == 0 and bar.disable:
-                    print(f"step {step}/{cfg.train.iterations} loss {mean_loss:.4f} "
-                          f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
+        # Forward and backward (with its recompute) both run under the pinned SDPA kernel order.
+        with attention.context(plan["resolved"]["sdpa_backend"]["value"]):
+            for step in bar:
+                rec = _step(engine, batches, cfg.grad_accum_steps, pad_id, now)
+                if not math.isfinite(rec["loss"]):
+                    raise TrainingError(f"loss is {rec['loss']} at step {step}: training would go "
+                                        f"on on garbage. Lower optim.lr, check the data, or use bf16")
+                rec.update(step=step, timed=step > cfg.train.warmup_iterations,
+                           seq_tokens=cfg.grad_accum_steps * cfg.train.micro_batch_size * seq,
+                           max_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+                           max_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
+                log.write("iter", **rec)
+                if rank == 0:
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}",
+                                    tok_s=f"{rec['tokens'] * world / rec['time_s']:.0f}")
+                    if step % cfg.train.log_every == 0 and bar.disable:
+                        print(f"step {step}/{cfg.train.iterations} loss {rec['loss']:.4f} "
+                              f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
         if ckpt_dir is not None:
             engine.save_checkpoint(str(ckpt_dir), tag="final")
     except torch.OutOfMemoryError as e:

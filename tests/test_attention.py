@@ -1,0 +1,37 @@
+"""SDPA kernel pinning: the order tried, and that a pinned kernel really is the one used."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longft.attention import context, priority
+
+
+def test_priority_puts_the_choice_first_then_fallbacks():
+    assert priority("cudnn") == ["cudnn", "efficient", "math"]
+    assert priority("efficient") == ["efficient", "math"]
+    assert priority("math") == ["math", "efficient"]
+
+
+def test_default_pins_nothing():
+    with context("default"):
+        q = torch.randn(1, 2, 8, 16)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert out.shape == q.shape
+
+
+def test_math_pin_is_honoured_and_matches_reference():
+    q, k, v = (torch.randn(1, 2, 32, 16, dtype=torch.float64) for _ in range(3))
+    with context("math"):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    scores = (q @ k.transpose(-1, -2)) / 4.0
+    scores = scores.masked_fill(torch.ones(32, 32, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(out, scores.softmax(-1) @ v)
+
+
+def test_a_pin_without_fallback_for_the_input_fails_loudly():
+    # CPU has no cuDNN kernel; with only cuDNN allowed SDPA must refuse rather than pick silently.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(1, 2, 8, 16)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
