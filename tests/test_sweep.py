@@ -1,0 +1,185 @@
+"""`longft sweep`: grid validation (every problem of every row, before anything is queued), the
+exact `dvc exp run --queue` commands, bench overlays, the shipped reference grid, and one real
+queue in a throwaway git + DVC repository (a few seconds; nothing is run)."""
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from longft import cli, sweep
+from longft.config import from_dict, merge
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A folder with the repository's params.yaml, as the current directory."""
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def no_subprocess(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError(f"subprocess started: {a}")
+    monkeypatch.setattr(sweep.subprocess, "run", fail)
+
+
+GRID = """\
+- name: 8b-128k-2gpu
+  model.name: llama3.1-8b
+  data.max_seq_length: 128000
+  hardware.num_gpus: 2
+  train.global_batch_size: 2
+  zero: {offload_param: cpu}
+- {model.name: Qwen/Qwen2.5-14B, model.source: pretrained, precision: bf16,
+   optim.betas: [0.9, 0.99]}
+"""
+
+
+def test_dry_run_prints_exact_commands(workdir, monkeypatch, capsys):
+    no_subprocess(monkeypatch)
+    grid = write(workdir / "grid.yaml", GRID)
+    assert cli.main(["sweep", str(grid), "--dry-run", "--run"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "dvc exp run --queue -S 'model.name=llama3.1-8b' -S 'data.max_seq_length=128000'"
+        " -S 'hardware.num_gpus=2' -S 'train.global_batch_size=2' -S 'zero.offload_param=cpu'"
+        " -n 8b-128k-2gpu",
+        "dvc exp run --queue -S 'model.name=Qwen/Qwen2.5-14B' -S 'model.source=pretrained'"
+        " -S 'precision=bf16' -S 'optim.betas=[0.9,0.99]'",
+        "dvc queue start --jobs 1",
+    ]
+    assert cli.main(["sweep", str(grid), "--dry-run"]) == 0  # without --run: queue only
+    assert "queue start" not in capsys.readouterr().out
+
+
+def test_every_problem_listed_before_anything_is_queued(workdir, monkeypatch, capsys):
+    no_subprocess(monkeypatch)
+    grid = write(workdir / "grid.yaml", """\
+- {name: a, zero.offload_param: gpu, train.foo: 1}
+- just a string
+- {name: a, hardware.num_gpus: 4, train.global_batch_size: 6}
+- {name: "bad name!", optim.lr: -1}
+- {name: c}
+- {name: d, zero: 3, zero.stage: 2}
+""")
+    with pytest.raises(sweep.SweepError) as e:
+        sweep.load(grid)
+    assert e.value.problems == [
+        "row 2: expected a mapping of dotted param keys, got 'just a string'",
+        "row 3: name 'a' is used by an earlier row",
+        "row 4: name 'bad name!' must match [A-Za-z0-9][A-Za-z0-9._-]*",
+        "row 5: no params to set",
+        "row 6: zero is set both as a value and as a section",
+        "row 1 (a): train.foo: unknown key (known: global_batch_size, iterations, log_every,"
+        " max_grad_norm, micro_batch_size, seed, warmup_iterations)",
+        "row 1 (a): zero.offload_param: 'gpu' is not one of 'none' | 'cpu'",
+        "row 3 (a): train.global_batch_size (6) must be a multiple of train.micro_batch_size x"
+        " GPUs (1 x 4 = 4); e.g. set it to 4",
+        "row 4: optim.lr: must be > 0, got -1.0",
+    ]
+    assert cli.main(["sweep", str(grid), "--run"]) == 2
+    err = capsys.readouterr().err
+    assert "9 problem(s) in" in err and "Nothing was queued." in err
+
+
+def test_not_a_list_and_only_filter(workdir):
+    with pytest.raises(sweep.SweepError, match="expected a non-empty YAML list"):
+        sweep.load(write(workdir / "g.yaml", "model.name: x\n"))
+    grid = write(workdir / "grid.yaml", GRID)
+    assert [r.name for r in sweep.load(grid, only=("8b-*",))] == ["8b-128k-2gpu"]
+    with pytest.raises(sweep.SweepError, match="no row name matches 1b-"):
+        sweep.load(grid, only=("1b-*",))
+
+
+def test_hydra_values_read_back_unchanged():
+    hydra = pytest.importorskip("hydra.core.override_parser.overrides_parser")
+    parser = hydra.OverridesParser.create()
+    values = ["llama3.1-8b", "meta-llama/Llama-3.1-8B", "configs/models/x.json", "on", "null",
+              "True", "16384", "it's", "a b", "back\\slash", "end\\", "q\\'x", "",
+              16384, -1, 1e-4, 1.0e-8, 0.95,
+              True, False, None, [0.9, 0.95], ["q_proj", "v_proj"]]
+    for v in values:
+        got = parser.parse_overrides([f"k={sweep.hydra_value(v)}"])[0].value()
+        assert got == v and type(got) is type(v), (v, sweep.hydra_value(v), got)
+
+
+def test_shell_line_reads_back_as_the_arguments():
+    row = sweep.GridRow("x", {"model.name": "it's", "data.path": "/data/a b.jsonl"})
+    args = sweep.queue_args(row)
+    assert args == ["exp", "run", "--queue", "-S", "model.name='it\\'s'",
+                    "-S", "data.path='/data/a b.jsonl'", "-n", "x"]
+    assert shlex.split(sweep.shell_line(args)) == ["dvc", *args]
+
+
+def test_reference_grid_is_valid(monkeypatch):
+    monkeypatch.chdir(REPO)
+    rows = sweep.load(REPO / "bench" / "grids" / "reference.yaml")
+    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    got = {}
+    for row in rows:
+        cfg = from_dict(merge(base, sweep._nest(row.overrides)))
+        assert cfg.train.global_batch_size == cfg.train.micro_batch_size * cfg.world_size
+        assert cfg.zero.offload_optimizer == cfg.zero.offload_param == "cpu"
+        assert cfg.data.source == "random" and not cfg.output.save_checkpoint
+        got.setdefault((cfg.model.name, cfg.data.max_seq_length, cfg.train.micro_batch_size),
+                       []).append(cfg.hardware.num_gpus)
+    assert got == {("llama3.2-1b", 16384, 20): [1, 2, 4, 8],
+                   ("llama3.1-8b", 128000, 1): [1, 2, 4, 7, 8],
+                   ("qwen2.5-14b", 128000, 1): [4, 7]}
+
+
+def test_overlays_for_bench(workdir, capsys):
+    grid = write(workdir / "grid.yaml", GRID)
+    assert cli.main(["sweep", str(grid), "--overlays", "ov"]) == 0
+    assert sorted(p.name for p in (workdir / "ov").iterdir()) == ["8b-128k-2gpu.yaml", "row2.yaml"]
+    doc = yaml.safe_load((workdir / "ov" / "8b-128k-2gpu.yaml").read_text())
+    assert doc.pop("bench_note").endswith("row 1 (8b-128k-2gpu)")
+    assert doc == {"model": {"name": "llama3.1-8b"}, "data": {"max_seq_length": 128000},
+                   "hardware": {"num_gpus": 2}, "train": {"global_batch_size": 2},
+                   "zero": {"offload_param": "cpu"}}
+
+
+def dvc(*args, cwd):
+    p = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def test_queue_for_real(workdir, monkeypatch):
+    """Queue two rows in a throwaway repository and read them back from `dvc exp show`."""
+    for k, v in (("GIT_AUTHOR_NAME", "t"), ("GIT_AUTHOR_EMAIL", "t@t"), ("GIT_COMMITTER_NAME", "t"),
+                 ("GIT_COMMITTER_EMAIL", "t@t")):
+        monkeypatch.setenv(k, v)
+    write(workdir / "dvc.yaml", "stages:\n  train:\n    cmd: python -c 'print(1)'\n"
+                                "    params: [model, data, hardware, train]\n")
+    subprocess.run(["git", "init", "-q"], cwd=workdir, check=True)
+    dvc("init", "-q", cwd=workdir)
+    subprocess.run(["git", "add", "-A"], cwd=workdir, check=True)
+    subprocess.run(["git", "commit", "-qm", "init"], cwd=workdir, check=True)
+    grid = write(workdir / "grid.yaml", GRID)
+    assert cli.main(["sweep", str(grid)]) == 0
+    exps = json.loads(dvc("exp", "show", "--json", cwd=workdir))[1]["experiments"]
+    assert all(e["executor"]["state"] == "queued" for e in exps)  # never started here
+    queued = {e["name"]: e["revs"][0]["data"]["params"]["params.yaml"]["data"] for e in exps}
+    assert len(queued) == 2
+    p = queued.pop("8b-128k-2gpu")
+    assert (p["model"]["name"], p["data"]["max_seq_length"], p["hardware"]["num_gpus"],
+            p["train"]["global_batch_size"], p["zero"]["offload_param"]) == \
+        ("llama3.1-8b", 128000, 2, 2, "cpu")
+    (p,) = queued.values()  # no name in the grid: DVC made one up
+    assert (p["model"]["name"], p["model"]["source"], p["precision"], p["optim"]["betas"]) == \
+        ("Qwen/Qwen2.5-14B", "pretrained", "bf16", [0.9, 0.99])
