@@ -80,8 +80,6 @@ def test_pipeline_on_gpu_with_liger_under_zero3(tmp_path):
 
 
 def test_vram_limit_caps_the_allocator():
-    from longft.config import from_dict  # noqa: F401  (import check: config loads on the GPU box)
-
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(2 * 2**30 / total, 0)
     try:
@@ -137,3 +135,47 @@ def test_packed_documents_stay_separated_under_each_kernel_order(backend):
         alone = model(input_ids=ids[:, 199:499], use_cache=False).logits
         packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, 199:499]
     torch.testing.assert_close(packed, alone, rtol=2e-3, atol=2e-3)
+
+
+def _mid_model():
+    """8 layers x hidden 1024: layer inputs large enough to see in the allocator."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, vocab_size=384,
+                      max_position_embeddings=16384)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    m.config.use_cache = False
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return m
+
+
+def test_cpu_offload_checkpoints_same_grads_and_frees_what_it_moves():
+    from longft.offload import offloaded_activations
+
+    model = _mid_model()
+    ids = torch.randint(1, 380, (1, 8192), device="cuda")
+
+    def run(offload):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        with offloaded_activations(offload) as hooks:
+            loss = model(input_ids=ids, labels=ids).loss
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")  # let the allocator retire blocks freed on the side stream
+        held = torch.cuda.memory_allocated()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, held, hooks
+
+    loss_ref, g_ref, held_ref, _ = run(False)
+    loss, g, held, hooks = run(True)
+    assert torch.equal(loss, loss_ref)
+    for n in g_ref:
+        assert torch.equal(g[n], g_ref[n]), n
+    layer_inputs = 8 * 8192 * 1024 * 2
+    assert hooks.offloaded_bytes >= layer_inputs
+    saved = held_ref - held
+    # GPU memory held between forward and backward drops by what went to the host (within 10 %).
+    assert abs(saved - hooks.offloaded_bytes) <= 0.1 * hooks.offloaded_bytes, (saved, hooks.offloaded_bytes)
+    assert hooks.prefetch_hits >= 4

@@ -188,12 +188,8 @@ def resolve(cfg: Config, hw: Hardware, model_type: str) -> dict[str, Choice]:
     if m == "auto":
         out["checkpointing"] = Choice("gpu", "auto: recompute each decoder layer in backward, layer inputs kept on the device")
     else:
-        if m == "cpu_offload":
-            if device != "cuda":
-                problems.append("checkpointing.mode: cpu_offload needs a CUDA GPU; use gpu or none")
-            else:
-                problems.append("checkpointing.mode: cpu_offload is not available in this version of "
-                                "longft yet; use gpu")
+        if m == "cpu_offload" and device != "cuda":
+            problems.append("checkpointing.mode: cpu_offload needs a CUDA GPU; use gpu or none")
         out["checkpointing"] = Choice(m, "set in params")
 
     if device == "cuda" and h.vram_limit_gib is not None and hw.gpu_mem_gib is not None \

@@ -16,6 +16,7 @@ from .config import Config
 from .data.store import PreparedDataset
 from .model import build_model
 from .monitor import gpu_inventory
+from .offload import offloaded_activations
 from .runlog import RunLog
 
 
@@ -102,10 +103,10 @@ def _build(cfg: Config, plan: dict, ds: dict):
     return model, keep
 
 
-def _step(engine, batches, accum: int, pad_id: int, now) -> dict:
+def _step(engine, batches, accum: int, pad_id: int, now, offload: bool) -> dict:
     """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer."""
     fwd = bwd = 0.0
-    losses, tokens = [], 0
+    losses, tokens, offloaded = [], 0, 0
     skipped_before = engine.skipped_steps
     t0 = now()
     for micro in range(accum):
@@ -113,8 +114,10 @@ def _step(engine, batches, accum: int, pad_id: int, now) -> dict:
         tokens += real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
         b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
         a = now()
-        loss = engine(input_ids=b["input_ids"], labels=b["labels"],
-                      position_ids=b["position_ids"]).loss
+        with offloaded_activations(offload) as hooks:
+            loss = engine(input_ids=b["input_ids"], labels=b["labels"],
+                          position_ids=b["position_ids"]).loss
+        offloaded = max(offloaded, hooks.offloaded_bytes if hooks else 0)
         c = now()
         engine.backward(loss)
         if micro < accum - 1:
@@ -127,7 +130,7 @@ def _step(engine, batches, accum: int, pad_id: int, now) -> dict:
     f = now()
     return dict(loss=sum(losses) / len(losses), lr=engine.get_lr()[0], tokens=tokens,
                 time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
-                skipped=engine.skipped_steps > skipped_before)
+                skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded)
 
 
 def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
@@ -179,6 +182,7 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         return time.perf_counter()
 
     seq = cfg.data.max_seq_length
+    offload = plan["resolved"]["checkpointing"]["value"] == "cpu_offload"
     bar = tqdm(range(1, cfg.train.iterations + 1), desc="train", unit="step",
                disable=rank != 0 or None)
     step = 0
@@ -186,7 +190,7 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         # Forward and backward (with its recompute) both run under the pinned SDPA kernel order.
         with attention.context(plan["resolved"]["sdpa_backend"]["value"]):
             for step in bar:
-                rec = _step(engine, batches, cfg.grad_accum_steps, pad_id, now)
+                rec = _step(engine, batches, cfg.grad_accum_steps, pad_id, now, offload)
                 if not math.isfinite(rec["loss"]):
                     raise TrainingError(f"loss is {rec['loss']} at step {step}: training would go "
                                         f"on on garbage. Lower optim.lr, check the data, or use bf16")

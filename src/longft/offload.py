@@ -1,0 +1,97 @@
+"""Activation checkpoints in pinned host memory (`checkpointing.mode: cpu_offload`).
+
+Each decoder layer is checkpointed with PyTorch's non-reentrant checkpoint, which saves the layer's
+inputs through the saved-tensor hooks in force *outside* the checkpointed region, while everything
+inside the layer is recomputed in backward. `OffloadHooks` are those outer hooks: every large
+saved tensor (in practice each layer's input hidden states, [micro, seq, hidden]) is copied to
+pinned host memory on a side CUDA stream, so the copy overlaps the next layers' compute, and the
+GPU copy is freed. In backward, unpacking the input of layer i also starts the host-to-device copy
+of the tensor saved just before it (layer i-1's input) on the side stream, so that it arrives while
+layer i recomputes: the prefetch the reference study listed as future work.
+
+This works with transformers 5 (decoder layers return tensors; no reentrant unpacking of tuples)
+and with ZeRO-3: parameters are never offloaded by these hooks (ZeRO-3 owns them), nor are small
+tensors, for which a copy costs more than it saves.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
+    def __init__(self, min_bytes: int = 1 << 20, pin_memory: bool | None = None):
+        self.min_bytes = min_bytes
+        self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.host: dict[int, tuple[torch.Tensor, torch.device, object]] = {}
+        self.prefetched: dict[int, tuple[torch.Tensor, object]] = {}
+        self.next_key = 0
+        self.offloaded_bytes = 0  # bytes moved to the host in this forward pass
+        self.prefetch_hits = 0  # unpacks whose tensor was already on its way back
+        super().__init__(self._pack, self._unpack)
+
+    # -- forward: device -> host
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        return (not isinstance(t, torch.nn.Parameter) and t.device.type != "cpu"
+                and t.numel() * t.element_size() >= self.min_bytes)
+
+    def _pack(self, t: torch.Tensor):
+        if not self._offloadable(t):
+            return t
+        key = self.next_key
+        self.next_key += 1
+        cpu = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=self.pin)
+        if self.stream is not None and t.is_cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self.stream):
+                cpu.copy_(t, non_blocking=self.pin)
+                t.record_stream(self.stream)  # keep t's memory until the copy is done
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        else:
+            cpu.copy_(t)
+            done = None
+        self.host[key] = (cpu, t.device, done)
+        self.offloaded_bytes += t.numel() * t.element_size()
+        return key
+
+    # -- backward: host -> device, with the previous tensor prefetched
+    def _to_device(self, key: int):
+        cpu, device, done = self.host.pop(key)
+        if self.stream is None or device.type != "cuda":
+            return cpu.to(device), None
+        with torch.cuda.stream(self.stream):
+            if done is not None:
+                self.stream.wait_event(done)
+            gpu = cpu.to(device, non_blocking=self.pin)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return gpu, ready
+
+    def _unpack(self, packed):
+        if not isinstance(packed, int):
+            return packed
+        hit = self.prefetched.pop(packed, None)
+        self.prefetch_hits += hit is not None
+        gpu, ready = hit or self._to_device(packed)
+        if ready is not None:
+            torch.cuda.current_stream(gpu.device).wait_event(ready)
+            gpu.record_stream(torch.cuda.current_stream(gpu.device))
+        prev = packed - 1
+        if prev in self.host and prev not in self.prefetched:
+            self.prefetched[prev] = self._to_device(prev)
+        return gpu
+
+
+@contextmanager
+def offloaded_activations(enabled: bool, min_bytes: int = 1 << 20):
+    """Around forward *and* backward of one micro-step; yields the hooks (or None)."""
+    if not enabled:
+        yield None
+        return
+    hooks = OffloadHooks(min_bytes=min_bytes)
+    with hooks:
+        yield hooks
