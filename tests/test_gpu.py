@@ -169,15 +169,16 @@ def test_cpu_offload_checkpoints_same_grads_and_frees_what_it_moves():
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, held, hooks
 
     loss_ref, g_ref, held_ref, _ = run(False)
+    _, g_again, _, _ = run(False)
     loss, g, held, hooks = run(True)
-    assert torch.equal(loss, loss_ref)
+    assert torch.equal(loss, loss_ref)  # the forward is bit-identical
+    # Attention and embedding backward accumulate with atomics, so two plain runs already differ
+    # slightly; offloading must add nothing beyond that run-to-run noise.
     for n in g_ref:
-        if n == "model.embed_tokens.weight":
-            # CUDA's embedding backward accumulates with atomics: not bitwise reproducible even
-            # between two plain runs; everything else must be identical.
-            torch.testing.assert_close(g[n], g_ref[n], rtol=1e-2, atol=1e-4)
-        else:
-            assert torch.equal(g[n], g_ref[n]), n
+        ref = g_ref[n].float()
+        noise = (g_again[n].float() - ref).norm()
+        err = (g[n].float() - ref).norm()
+        assert err <= 2 * noise + 1e-3 * ref.norm(), (n, float(err), float(noise))
     layer_inputs = 8 * 8192 * 1024 * 2
     assert hooks.offloaded_bytes >= layer_inputs
     saved = held_ref - held
