@@ -166,7 +166,9 @@ def test_cpu_offload_checkpoints_same_grads_and_frees_what_it_moves():
         torch.empty(1, device="cuda")  # let the allocator retire blocks freed on the side stream
         held = torch.cuda.memory_allocated()
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, held, hooks
+        grads = {n: p.grad.cpu() for n, p in model.named_parameters()}  # off the GPU: not counted
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads, held, hooks
 
     loss_ref, g_ref, held_ref, _ = run(False)
     _, g_again, _, _ = run(False)
