@@ -185,6 +185,8 @@ def test_cpu_offload_checkpoints_same_grads_and_frees_what_it_moves():
     layer_inputs = 8 * 8192 * 1024 * 2
     assert hooks.offloaded_bytes >= layer_inputs
     saved = held_ref - held
-    # GPU memory held between forward and backward drops by what went to the host (within 10 %).
-    assert abs(saved - hooks.offloaded_bytes) <= 0.1 * hooks.offloaded_bytes, (saved, hooks.offloaded_bytes)
+    # GPU memory held between forward and backward drops by at least the layer checkpoints moved
+    # to the host, and by no more than everything moved (some saved tensors outside the layers,
+    # e.g. the logits, are also referenced elsewhere, so moving them frees nothing).
+    assert 0.9 * layer_inputs <= saved <= 1.05 * hooks.offloaded_bytes, (saved, hooks.offloaded_bytes)
     assert hooks.prefetch_hits >= 4
