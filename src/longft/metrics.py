@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from longft.atomic import write_bytes
+from longft.estimate import compare
 from longft.flops import flops_per_token, mfu, peak_flops
 from longft.plots import gib_timeline, memory_png, read_timeline, render_report, timeline_peaks
 
@@ -267,6 +268,9 @@ def summarize(run_dir: Path, plan: dict) -> tuple[dict, dict, list[dict]]:
         env["gpus"] = mon.get("gpus", [])
         env["host_memory_total_gib"] = _gib(_num(mon.get("sys_total_bytes")))
         env["host_cpu_count"] = mon.get("cpu_count")
+    est = (plan.get("memory_estimate") or {}).get("estimate")
+    if est is not None:
+        train["memory_prediction"] = compare(est, train)  # predicted vs measured, relative error
     return train, env, rows
 
 

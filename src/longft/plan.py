@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from . import ds_config, hardware, patch
 from .config import Config, to_dict
+from .estimate import estimate_for_plan
 from .model import load_model_config
 
 ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -73,7 +74,8 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
                   "grad_accum_steps": cfg.grad_accum_steps, "seq_len": cfg.data.max_seq_length,
                   "tokens_per_step": cfg.tokens_per_step},
         "memory_estimate": {"model_states_bytes": states,
-                            "note": "model states only (all ranks together); activations, "
-                                    "buffers and placement are not estimated yet"},
+                            "estimate": estimate_for_plan(cfg, arch, choices, cfg.world_size),
+                            "note": "itemised peak VRAM per rank and DRAM per node; "
+                                    "formulas in docs/estimator.md"},
     }
     return plan, ds

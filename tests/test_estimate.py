@@ -1,0 +1,364 @@
+"""The memory estimator against hand-computed numbers, and against the measured H200 rows.
+
+Every expected number below is written out as the arithmetic of docs/estimator.md, so a changed
+formula shows up as a changed line here.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from longft.config import from_dict
+from longft.estimate import (GIB, LAUNCHER_BASE_BYTES, RANK_BASE_BYTES, Setup, compare, estimate,
+                             estimate_for_plan, fits, format_table, layer_activation_bytes,
+                             param_numels, pinned, pinned_pool, reuse_layers, setup_from_config,
+                             sub_groups, zero_knobs)
+from longft.hardware import Choice
+
+REPO = Path(__file__).resolve().parents[1]
+MiB, KiB = 2**20, 2**10
+
+SMALL = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
+             tie_word_embeddings=False)
+LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                tie_word_embeddings=True, max_position_embeddings=131072)
+LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                tie_word_embeddings=False, max_position_embeddings=131072)
+
+
+def items(est, where="gpu"):
+    return {i.name: i.bytes for i in est.items if i.where == where}
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def test_parameter_counts():
+    # small: embed 384*64; per layer q 64*64, k 64*32, v 64*32, o 64*64, gate/up/down 64*176, 2 norms
+    layer = 4096 + 2048 + 2048 + 4096 + 3 * 11264 + 2 * 64
+    assert layer == 46208
+    assert sum(n for _, n in param_numels(SMALL)) == 24576 + 2 * layer + 64 + 24576 == 141632
+    # Llama-3.2-1B (tied): the count the H200 runs report
+    assert sum(n for _, n in param_numels(LLAMA_1B)) == 1_235_814_400
+    assert sum(n for _, n in param_numels(LLAMA_8B)) == 8_030_261_248
+
+
+def test_sub_groups_follow_deepspeed():
+    # parameters are appended until a group reaches 1e9 elements: embed + 12 layers + q, k, v, o
+    g = sub_groups([n for _, n in param_numels(LLAMA_1B)])
+    assert g == [262_668_288 + 12 * 60_821_504 + 4_194_304 + 2 * 1_048_576 + 4_194_304,
+                 1_235_814_400 - 1_003_012_096]
+    assert g[0] == 1_003_012_096
+    assert sub_groups([5, 5], size=100) == [10]
+
+
+def test_pinned_rounding_and_pool_reuse():
+    assert pinned(1) == 1 and pinned(4096) == 4096 and pinned(4097) == 8192 and pinned(0) == 0
+    live, resident = pinned_pool([("alloc", "a", 3 * MiB), ("alloc", "b", 1 * MiB),
+                                  ("free", "a", 0), ("alloc", "c", 4 * MiB),   # reuses a's block
+                                  ("alloc", "d", 2 * MiB)])                    # new block
+    assert live == {"b": MiB, "c": 4 * MiB, "d": 2 * MiB}
+    assert resident == 4 * MiB + MiB + 2 * MiB
+
+
+def test_reuse_distance_keeps_layers():
+    knobs = zero_knobs(Setup(1, 1024, offload_param=True, offload_optimizer=True), 2048)
+    assert knobs["stage3_max_reuse_distance"] == 10**9
+    # 1B, checkpointing: kept while 3 x j x 60,821,504 < 1e9, i.e. j = 1..5
+    assert reuse_layers(LLAMA_1B, Setup(1, 1024), knobs) == 5
+    # without checkpointing 2 x j x 60,821,504 < 1e9: j = 1..8
+    assert reuse_layers(LLAMA_1B, Setup(1, 1024, checkpointing="none"), knobs) == 8
+    # 8B: 3 x 218,112,000 = 654,336,000 < 1e9 < 2 x that: one layer kept
+    assert reuse_layers(LLAMA_8B, Setup(1, 1024), knobs) == 1
+
+
+# ---------------------------------------------------------------- a small config, by hand
+
+
+def test_small_config_by_hand():
+    s = Setup(micro_batch=2, seq_len=128)              # bf16, SDPA, Liger, GPU checkpoints, ZeRO-3
+    e = estimate(SMALL, s)
+    T, h, I, L, V, P = 256, 64, 176, 2, 384, 141632
+    Hd, kvd = 4 * 16, 2 * 16
+    saved = (2 * 2 * h            # two RMSNorm outputs
+             + 2 * (Hd + kvd)     # q, k (RoPE in place)
+             + 2 * kvd            # v
+             + 2 * Hd             # attention output = o_proj input
+             + 2 * h              # residual h1
+             + 3 * 2 * I          # gate, up, silu(gate)*up
+             + 2 * 4 + 4 * 4)     # rstd x 2, log-sum-exp per head (fp32)
+    assert saved == 1848
+    assert layer_activation_bytes(SMALL, s)["peak"] == saved + 2 * I + 2 * h == 2328
+    chunk = 64                    # next_pow2(ceil(256 / ceil(384 / 64)))
+    want = {
+        "weights: partitions": 2 * P,
+        "gradients: partitions": 2 * P,
+        "optimizer: fp32 master + Adam m, v": 12 * P,
+        "gradients: reduce bucket + one in flight": 2 * (h * h + h * I),
+        "inputs + rotary cos/sin": T * (3 * 8 + 2 * 2 * 16),
+        "activation checkpoints (GPU)": L * T * h * 2,
+        "saved tensors of the recomputed layer": T * saved,
+        "backward transients of one layer": T * (2 * I + 2 * h),
+        "final layer output + norm output": 2 * T * h * 2,
+        "fused loss: grads + logits chunk": T * h * 2 + V * h * 2 + chunk * V * 2 + 4 * T,
+        "step: fp32 gradient of the largest sub-group": (4 + 2) * P,
+    }
+    assert items(e) == want
+    states = 2 * P + 2 * P + 12 * P
+    assert e.gpu_phases == {
+        "loss": states + want["inputs + rotary cos/sin"] + want["activation checkpoints (GPU)"]
+        + want["final layer output + norm output"] + want["fused loss: grads + logits chunk"],
+        "backward": states + want["gradients: reduce bucket + one in flight"]
+        + want["inputs + rotary cos/sin"] + want["activation checkpoints (GPU)"]
+        + T * saved + T * (2 * I + 2 * h),
+        "step": states + 6 * P,
+    }
+    assert e.gpu_phases["step"] == 3_115_904 and e.gpu_peak_phase == "step"
+    assert e.gpu_allocated == 3_115_904
+    assert e.gpu_reserved == int(3_115_904 * 1.2)
+    assert items(e, "host") == {"process baseline": LAUNCHER_BASE_BYTES + RANK_BASE_BYTES,
+                                "DataLoader pinned batches": 6 * 2048}   # 2 batches x 3 x T x 8
+
+
+# ---------------------------------------------------------------- Llama-3.2-1B, the H200 rows
+
+
+def test_llama_1b_row_a_by_hand():
+    """H200 row (a): 16K x micro-batch 4, ZeRO-3 nothing offloaded; measured 28.657 GiB allocated."""
+    e = estimate(LLAMA_1B, Setup(micro_batch=4, seq_len=16384))
+    P, T, h, I, V = 1_235_814_400, 65536, 2048, 8192, 128256
+    saved = 2 * (2 * h + (2048 + 512) + 512 + 2048 + h + 3 * I) + 8 + 4 * 32
+    assert saved == 71816
+    backward = {
+        "weights: partitions": 2 * P,                                   # 2,471,628,800
+        "gradients: partitions": 2 * P,
+        "optimizer: fp32 master + Adam m, v": 12 * P,                   # 14,829,772,800
+        "gradients: reduce bucket + one in flight": 2 * (h * h + h * I),
+        "inputs + rotary cos/sin": T * (24 + 2 * 2 * 64),
+        "activation checkpoints (GPU)": 16 * T * h * 2,                  # 4 GiB
+        "saved tensors of the recomputed layer": T * saved,              # 4.383 GiB
+        "backward transients of one layer": T * 2 * (I + h),             # 1.25 GiB
+        "tied lm_head grad (held to embedding bwd)": V * h * 2,
+    }
+    got = items(e)
+    assert {k: got[k] for k in backward} == backward
+    assert e.gpu_peak_phase == "backward"
+    assert e.gpu_allocated == sum(backward.values()) == 30_702_338_048          # 28.594 GiB
+    assert got["step: fp32 gradient of the largest sub-group"] == 6 * 1_003_012_096
+    assert abs(e.gpu_allocated / GIB - 28.657) / 28.657 < 0.01
+
+
+def test_llama_1b_row_b_host_by_hand():
+    """H200 row (b): parameters and optimizer on the CPU, micro-batch 20; measured 32.90 GiB RSS."""
+    e = estimate(LLAMA_1B, Setup(micro_batch=20, seq_len=16384, offload_optimizer=True,
+                                 offload_param=True))
+    P = 1_235_814_400
+    per_layer_pinned = 8 * MiB + 2 * MiB + 2 * MiB + 8 * MiB + 3 * 32 * MiB + 2 * 4 * KiB
+    want = {
+        "process baseline": LAUNCHER_BASE_BYTES + RANK_BASE_BYTES,
+        "weights: partitions (pinned)": 2**32,                  # 2 B x P = 2.47e9 -> 4 GiB block
+        "CPU Adam fp32 gradients (pinned)": 2**32 + 2**30,      # 4 B x 1,003,012,096 and x 232,802,304
+        "gradients: partitions (pinned)": 2**32,
+        "DataLoader pinned batches": 6 * 4 * MiB,               # 20 x 16384 x 8 B -> 4 MiB, 2 x 3
+        # zero.Init's per-parameter pinned partitions, freed into torch's cache: embed 525 MB -> 512 MiB
+        "pinned blocks cached after zero.Init": 512 * MiB + 16 * per_layer_pinned + 4 * KiB,
+        "optimizer: fp32 master": 4 * P,
+        "optimizer: Adam m, v (CPU Adam)": 8 * P,
+    }
+    assert items(e, "host") == want
+    assert e.host_rss == sum(want.values())
+    assert abs(e.host_rss / GIB - 32.902) / 32.902 < 0.05
+
+
+def test_llama_1b_row_b_gpu_by_hand():
+    e = estimate(LLAMA_1B, Setup(micro_batch=20, seq_len=16384, offload_optimizer=True,
+                                 offload_param=True))
+    T, h, I, V, layer = 327680, 2048, 8192, 128256, 60_821_504
+    got = items(e)
+    assert got["backward transients of one layer"] == T * 2 * (I + h)
+    assert "weights: partitions" not in got and "optimizer: fp32 master + Adam m, v" not in got
+    assert got["weights: gathered decoder layers"] == 2 * layer * (1 + 5)
+    assert got["weights: gathered lm_head"] == 2 * V * h
+    assert got["ZeRO-3 prefetch bucket"] == 2 * int(0.9 * h * h)
+    assert got["activation checkpoints (GPU)"] == 16 * T * h * 2                 # 20 GiB
+    assert got["saved tensors of the recomputed layer"] == T * 71816
+    assert e.gpu_peak_phase == "backward"
+    assert abs(e.gpu_allocated / GIB - 50.725) / 50.725 < 0.03
+
+
+def _bench_rows():
+    return sorted((REPO / "bench" / "results").rglob("h200-1b-16k-*.json"))
+
+
+# Known miss, open in issue 6: with cpu_offload checkpointing the side-stream copies fragment the
+# caching allocator (reserved/NVML ~23 % over the prediction) and pinned host memory is
+# over-predicted (~21 %); allocated VRAM is within 0.3 %. Strict: fixing it turns this red.
+KNOWN_MISSES = {"h200-1b-16k-gpu-cpuckpt.json"}
+
+
+def _row_params():
+    return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="allocator fragmentation "
+                                                    "with cpu_offload not modelled (issue 6)"))
+            if p.name in KNOWN_MISSES else p for p in _bench_rows()]
+
+
+@pytest.mark.parametrize("path", _row_params(),
+                         ids=lambda p: str(p.relative_to(REPO / "bench" / "results")))
+def test_h200_rows_within_10_percent(path):
+    """The accuracy bar: every measured H200 row within 10 % (VRAM allocated, reserved, NVML, RSS)."""
+    from longft.model import load_model_config
+    from longft.plan import architecture
+
+    row = json.loads(path.read_text())
+    cfg = from_dict(row["params"])
+    arch = architecture(load_model_config(cfg.model))
+    pred = estimate_for_plan(cfg, arch, row["plan"]["resolved"], row["train"]["world_size"])
+    for name, c in compare(pred, row["train"]).items():
+        assert c["measured_gib"] is not None, name
+        assert abs(c["rel_error"]) < 0.10, (name, c)
+
+
+def test_cpu_offload_row_allocated_vram_within_1_percent():
+    """The part of the cpu_offload row the estimator does get right."""
+    from longft.model import load_model_config
+    from longft.plan import architecture
+
+    row = json.loads((REPO / "bench/results/h200-1b-16k-gpu-cpuckpt.json").read_text())
+    cfg = from_dict(row["params"])
+    pred = estimate_for_plan(cfg, architecture(load_model_config(cfg.model)),
+                             row["plan"]["resolved"], 1)
+    assert abs(compare(pred, row["train"])["vram_max_allocated"]["rel_error"]) < 0.01
+
+
+def test_bench_rows_are_found():
+    assert len(_bench_rows()) >= 2
+
+
+# ---------------------------------------------------------------- placement and modes
+
+
+def test_world_size_shards_model_states():
+    one = items(estimate(LLAMA_8B, Setup(1, 4096)))
+    four = items(estimate(LLAMA_8B, Setup(1, 4096, world_size=4, ranks_per_node=4)))
+    P = 8_030_261_248
+    assert one["optimizer: fp32 master + Adam m, v"] == 12 * P
+    # every parameter padded to a multiple of 4 (all are here)
+    assert four["optimizer: fp32 master + Adam m, v"] == 12 * P // 4
+    assert four["weights: partitions"] == 2 * P // 4
+    # with 4 ranks ZeRO-3 gathers: the current layer + the one kept by the reuse distance, lm_head
+    assert four["weights: gathered decoder layers"] == 2 * 218_112_000 * 2
+
+
+def test_zero2_keeps_full_weights_on_every_rank():
+    e = items(estimate(LLAMA_1B, Setup(1, 4096, zero_stage=2, world_size=2, ranks_per_node=2)))
+    P = 1_235_814_400
+    assert e["weights: full copy (ZeRO-2)"] == 2 * P
+    assert e["gradients: partitions"] == 2 * P // 2
+    assert e["step: fp32 gradient of the largest sub-group"] == 6 * P // 2
+
+
+def test_checkpointing_modes_order_gpu_memory_and_move_host_memory():
+    base = Setup(micro_batch=1, seq_len=32768, offload_optimizer=True)
+    none, gpu, cpu = (estimate(LLAMA_1B, dataclasses.replace(base, checkpointing=m))
+                      for m in ("none", "gpu", "cpu_offload"))
+    assert none.gpu_allocated > gpu.gpu_allocated > cpu.gpu_allocated
+    # cpu_offload: 16 checkpoints of 32768 x 2048 x 2 B = 128 MiB each, pinned on the host
+    host = items(cpu, "host")
+    assert host["activation checkpoints (pinned)"] == 16 * 128 * MiB
+    # and what else is saved outside the layers (>= 1 MiB): final-norm input 128 MiB, the fused
+    # loss's grad_input 128 MiB and grad_weight 128256 x 2048 x 2 B -> 512 MiB block; rstd
+    # (128 KiB) and input ids (256 KiB) stay
+    assert host["other offloaded saved tensors (pinned)"] == 128 * MiB + 128 * MiB + 512 * MiB
+    assert cpu.host_rss - gpu.host_rss == 16 * 128 * MiB + 768 * MiB
+
+
+def test_liger_off_materialises_fp32_logits():
+    on = items(estimate(LLAMA_1B, Setup(1, 8192)))
+    off = items(estimate(LLAMA_1B, Setup(1, 8192, liger=False)))
+    assert "fused loss: grads + logits chunk" in on
+    assert off["logits: fp32 log-softmax + 2 fp32 grads"] == 12 * 8192 * 128256
+
+
+def test_eager_attention_is_quadratic():
+    lin = layer_activation_bytes(LLAMA_1B, Setup(1, 8192))["saved"]
+    quad = layer_activation_bytes(LLAMA_1B, Setup(1, 8192, attention="eager"))["saved"]
+    # + H x seq x (4 + 2) B per token (fp32 softmax + bf16 probabilities), K/V repeated to 32 heads
+    assert quad - lin == 32 * 8192 * 6 + 2 * 2 * (2048 - 512)
+
+
+def test_packed_rows_add_a_mask_and_expand_kv():
+    e = items(estimate(LLAMA_1B, Setup(2, 4096, packed=True)))
+    assert e["attention mask (packed rows)"] == 2 * 4096 * 4096
+
+
+def test_lora_trains_only_adapters():
+    s = Setup(1, 4096, lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    e = items(estimate(LLAMA_1B, s))
+    n = 16 * 8 * ((2048 + 2048) + (2048 + 512))       # rank x (in + out) per target per layer
+    assert e["gradients: partitions"] == 2 * n
+    assert e["optimizer: fp32 master + Adam m, v"] == 12 * n
+    assert e["weights: partitions"] == 2 * 1_235_814_400
+
+
+def test_bad_setup_is_refused():
+    with pytest.raises(ValueError, match="offload_param needs zero_stage 3"):
+        estimate(LLAMA_1B, Setup(1, 1024, zero_stage=2, offload_param=True))
+
+
+def test_reference_row_c_sanity():
+    """Llama-3.1-8B, 128000 tokens, everything offloaded (the reference study's code measured
+    54.2 GB allocated and 174 GiB RSS): the estimate lands in the same place."""
+    e = estimate(LLAMA_8B, Setup(1, 128000, offload_optimizer=True, offload_param=True))
+    assert 45 < e.gpu_allocated / GIB < 60
+    assert 160 < e.host_rss / GIB < 190
+
+
+# ---------------------------------------------------------------- plumbing
+
+
+def test_setup_from_config_reads_plan_and_choices():
+    cfg = from_dict({"data": {"max_seq_length": 8192, "source": "random"},
+                     "train": {"micro_batch_size": 2, "global_batch_size": 8},
+                     "hardware": {"num_gpus": 2},
+                     "zero": {"offload_optimizer": "cpu", "offload_param": "cpu"}})
+    plan_style = {"precision": {"value": "bf16", "reason": "x"}, "attention": {"value": "sdpa"},
+                  "liger": {"value": True}, "checkpointing": {"value": "gpu"}}
+    choices = {k: Choice(v["value"], "r") for k, v in plan_style.items()}
+    a, b = setup_from_config(cfg, plan_style), setup_from_config(cfg, choices)
+    assert a == b
+    assert (a.micro_batch, a.seq_len, a.world_size, a.ranks_per_node, a.grad_accum) == (2, 8192, 2, 2, 2)
+    assert a.offload_param and a.offload_optimizer and a.liger and not a.packed
+    assert a.sdpa_backend == "default"
+
+
+def test_estimate_for_plan_is_json_and_compare_handles_cpu_runs():
+    cfg = from_dict({"data": {"max_seq_length": 1024}})
+    d = estimate_for_plan(cfg, SMALL, {"precision": "bf16", "attention": "sdpa", "liger": False,
+                                       "checkpointing": "gpu"}, 1)
+    json.dumps(d)
+    assert d["gpu"]["allocated_bytes"] == sum(
+        i["bytes"] for i in d["gpu"]["items"] if d["gpu"]["peak_phase"] in i["phases"])
+    cpu_metrics = {"peak_vram": {"max_allocated_gib": None, "max_reserved_gib": None,
+                                 "nvml_used_gib": None}, "peak_dram": {"rss_tree_gib": 6.0}}
+    c = compare({"estimate": d}, cpu_metrics)
+    assert c["vram_max_allocated"]["rel_error"] is None
+    want = round((d["host"]["rss_bytes"] / GIB - 6.0) / 6.0, 4)
+    assert c["dram_rss_tree"] == {"predicted_gib": round(d["host"]["rss_bytes"] / GIB, 3),
+                                  "measured_gib": 6.0, "rel_error": want}
+
+
+def test_fits_and_table():
+    e = estimate(LLAMA_1B, Setup(4, 16384))
+    f = fits(e, gpu_mem_gib=139.8, host_mem_gib=125.9)
+    assert f.ok and f.gpu_ok and f.host_ok
+    small = fits(e, gpu_mem_gib=24, host_mem_gib=125.9)
+    assert not small.ok and small.gpu_ok is False
+    assert fits(e, None, None).ok and fits(e, None, None).gpu_ok is None
+    assert not fits(e, 139.8, 125.9, vram_limit_gib=20).ok
+    t = format_table(e, small)
+    assert "activation checkpoints (GPU)" in t and "<- peak" in t and "does NOT fit" in t
