@@ -3,11 +3,11 @@ host memory of the whole process tree.
 
     python stages/train.py [--params params.yaml] [--plan artifacts/plan.json] \
         [--ds-config artifacts/ds_config.json] [--data data/prepared] [--run runs/train] \
-        [--checkpoints checkpoints]
+        [--checkpoints checkpoints] [--export export]
 
 Writes runs/train/rank{r}.jsonl (per-step measurements), runs/train/memory.csv and
-runs/train/monitor.json (host/GPU memory timeline and peaks), and checkpoints/ when
-output.save_checkpoint is true.
+runs/train/monitor.json (host/GPU memory timeline and peaks), checkpoints/ when
+output.save_checkpoint is true, and export/ (a Hugging Face checkpoint) when output.export is true.
 """
 
 import argparse
@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--data", default="data/prepared")
     ap.add_argument("--run", default="runs/train")
     ap.add_argument("--checkpoints", default="checkpoints")
+    ap.add_argument("--export", default="export")
     a = ap.parse_args()
     try:
         cfg = load(a.params)
@@ -41,6 +42,8 @@ def main() -> int:
                   "--data", a.data, "--run", a.run]
         if cfg.output.save_checkpoint:
             worker += ["--checkpoints", a.checkpoints]
+        if cfg.output.export:
+            worker += ["--export", a.export]
         port = cfg.hardware.master_port
         if cfg.hardware.num_nodes == 1:
             port = free_port(port)
@@ -58,6 +61,7 @@ def main() -> int:
     shutil.rmtree(run_dir, ignore_errors=True)  # measurements of the previous run of this stage
     run_dir.mkdir(parents=True)
     Path(a.checkpoints).mkdir(parents=True, exist_ok=True)
+    Path(a.export).mkdir(parents=True, exist_ok=True)
     print("train:", " ".join(cmd), flush=True)
     return run(cmd, environment(device), run_dir)
 

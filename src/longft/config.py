@@ -147,6 +147,8 @@ class LoraConfig:
 class OutputConfig:
     save_checkpoint: bool = True
     """Write a DeepSpeed checkpoint at the end of training (checkpoints/)."""
+    export: bool = False
+    """Write the finetuned model as a Hugging Face checkpoint (export/, safetensors) at the end."""
 
 
 @dataclass(frozen=True)

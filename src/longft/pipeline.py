@@ -28,7 +28,8 @@ def stage_commands(params: Path, work: Path) -> dict[str, list[str]]:
         "patch": [*s("patch"), "--params", str(params), "--out", str(work / "artifacts")],
         "train": [*s("train"), "--params", str(params), "--plan", str(work / "artifacts/plan.json"),
                   "--ds-config", str(work / "artifacts/ds_config.json"), "--data", str(work / "data"),
-                  "--run", str(work / "run"), "--checkpoints", str(work / "checkpoints")],
+                  "--run", str(work / "run"), "--checkpoints", str(work / "checkpoints"),
+                  "--export", str(work / "export")],
         "metrics": [*s("metrics"), "--run", str(work / "run"), "--plan",
                     str(work / "artifacts/plan.json"), "--out", str(work / "metrics")],
     }

@@ -14,6 +14,7 @@ from pathlib import Path
 from . import attention, patch
 from .config import Config
 from .data.store import PreparedDataset
+from .export import export
 from .model import build_model
 from .monitor import gpu_inventory
 from .offload import offloaded_activations
@@ -134,7 +135,7 @@ def _step(engine, batches, accum: int, pad_id: int, now, offload: bool) -> dict:
 
 
 def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
-          ckpt_dir: Path | None) -> None:
+          ckpt_dir: Path | None, export_dir: Path | None = None) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -207,6 +208,8 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                               f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
         if ckpt_dir is not None:
             engine.save_checkpoint(str(ckpt_dir), tag="final")
+        if export_dir is not None:
+            export(engine, cfg, export_dir, step)
     except torch.OutOfMemoryError as e:
         log.write("end", status="failed", steps=step - 1, error=f"CUDA out of memory: {e}")
         log.close()

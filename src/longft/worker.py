@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default="data/prepared")
     ap.add_argument("--run", default="runs/train")
     ap.add_argument("--checkpoints", default=None)
+    ap.add_argument("--export", default=None)
     a = ap.parse_args(argv)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed 0.19 calls c10d collectives that torch 2.13 marks deprecated, once per call.
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = json.loads(Path(a.plan).read_text())
         ds = json.loads(Path(a.ds_config).read_text())
         train(cfg, plan, ds, Path(a.data), Path(a.run),
-              Path(a.checkpoints) if a.checkpoints else None)
+              Path(a.checkpoints) if a.checkpoints else None,
+              Path(a.export) if a.export else None)
     except (ConfigError, TrainingError, ValueError) as e:
         print(f"longft train: {e}", file=sys.stderr, flush=True)
         return 2
