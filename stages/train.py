@@ -16,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from longft.checkpoint import complete_steps, fingerprint
 from longft.config import ConfigError, load
 from longft.launch import LaunchError, command, environment, free_port, run
 
@@ -40,7 +41,7 @@ def main() -> int:
         device = plan["resolved"]["device"]["value"]
         worker = ["--params", a.params, "--plan", a.plan, "--ds-config", a.ds_config,
                   "--data", a.data, "--run", a.run]
-        if cfg.output.save_checkpoint:
+        if cfg.output.save_checkpoint or cfg.output.checkpoint_every:
             worker += ["--checkpoints", a.checkpoints]
         if cfg.output.export:
             worker += ["--export", a.export]
@@ -58,8 +59,12 @@ def main() -> int:
         print(f"longft train: {e}", file=sys.stderr)
         return 2
     run_dir = Path(a.run)
-    shutil.rmtree(run_dir, ignore_errors=True)  # measurements of the previous run of this stage
-    run_dir.mkdir(parents=True)
+    resumable = cfg.output.resume and complete_steps(Path(a.checkpoints), fingerprint(cfg))
+    if resumable:
+        print(f"train: resuming from {a.checkpoints}/step-{resumable[0]} (output.resume)")
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)  # measurements of an earlier, finished run
+    run_dir.mkdir(parents=True, exist_ok=True)
     Path(a.checkpoints).mkdir(parents=True, exist_ok=True)
     Path(a.export).mkdir(parents=True, exist_ok=True)
     print("train:", " ".join(cmd), flush=True)

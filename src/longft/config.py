@@ -149,6 +149,12 @@ class OutputConfig:
     """Write a DeepSpeed checkpoint at the end of training (checkpoints/)."""
     export: bool = False
     """Write the finetuned model as a Hugging Face checkpoint (export/, safetensors) at the end."""
+    checkpoint_every: int = 0
+    """Also write a resumable checkpoint every N optimizer steps (0 = none)."""
+    keep_last: int = 2
+    """How many periodic checkpoints to keep."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint of the same configuration, if there is one."""
 
 
 @dataclass(frozen=True)
@@ -322,6 +328,10 @@ def _check(cfg: Config) -> list[str]:
     if z.offload_param == "cpu" and z.stage != 3:
         p.append("zero.offload_param: 'cpu' needs zero.stage 3 (ZeRO-2 keeps parameters on the GPU);"
                  " set zero.stage: 3 or zero.offload_param: none")
+    if cfg.output.checkpoint_every < 0:
+        p.append(f"output.checkpoint_every: must be >= 0 (0 = off), got {cfg.output.checkpoint_every}")
+    if cfg.output.keep_last < 1:
+        p.append(f"output.keep_last: must be >= 1, got {cfg.output.keep_last}")
     if cfg.lora.rank < 0:
         p.append(f"lora.rank: must be >= 0 (0 = full finetuning), got {cfg.lora.rank}")
     if cfg.lora.rank > 0:

@@ -13,11 +13,24 @@ from pathlib import Path
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, rank: int):
+    def __init__(self, run_dir: Path, rank: int, resume_step: int = 0):
+        """A fresh log, or (resume_step > 0) the old one cut back to its steps <= resume_step."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.path = run_dir / f"rank{rank}.jsonl"
+        kept = []
+        if resume_step > 0 and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # the line a kill cut in half
+                if rec.get("type") == "env" or (rec.get("type") == "iter"
+                                                and rec.get("step", 0) <= resume_step):
+                    kept.append(line)
         self._f = open(self.path, "w", buffering=1)
+        for line in kept:
+            self._f.write(line + "\n")
 
     def write(self, kind: str, **fields) -> None:
         rec = {"type": kind, "rank": self.rank, "t": time.time(), **fields}

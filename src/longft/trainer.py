@@ -11,7 +11,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from . import attention, patch
+from . import attention, checkpoint, patch
 from .config import Config
 from .data.store import PreparedDataset
 from .export import export
@@ -152,9 +152,6 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     if world != cfg.world_size:
         raise TrainingError(f"launched with {world} processes but params ask for "
                             f"{cfg.world_size} (hardware.num_gpus x num_nodes)")
-    log = RunLog(run_dir, rank)
-    if rank == 0:
-        log.write("env", **environment(cfg, plan))
     if device == "cuda" and cfg.hardware.vram_limit_gib:
         total = torch.cuda.get_device_properties(local_rank).total_memory
         torch.cuda.set_per_process_memory_fraction(cfg.hardware.vram_limit_gib * 2**30 / total, local_rank)
@@ -177,6 +174,20 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
     cuda = device == "cuda"
 
+    fp = checkpoint.fingerprint(cfg)
+    start = 0
+    if ckpt_dir is not None and cfg.output.resume:
+        start, client = checkpoint.resume(engine, ckpt_dir, fp, lambda m: rank == 0 and print(m))
+        if start:
+            checkpoint.set_rng_state(client.get("rng", {}))
+            for _ in range(start * cfg.grad_accum_steps):  # the data position follows the step
+                next(batches)
+            if rank == 0:
+                print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
+    log = RunLog(run_dir, rank, resume_step=start)
+    if rank == 0 and not start:
+        log.write("env", **environment(cfg, plan))
+
     def now() -> float:
         if cuda:
             torch.cuda.synchronize()
@@ -184,9 +195,9 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
 
     seq = cfg.data.max_seq_length
     offload = plan["resolved"]["checkpointing"]["value"] == "cpu_offload"
-    bar = tqdm(range(1, cfg.train.iterations + 1), desc="train", unit="step",
-               disable=rank != 0 or None)
-    step = 0
+    bar = tqdm(range(start + 1, cfg.train.iterations + 1), desc="train", unit="step",
+               initial=start, total=cfg.train.iterations, disable=rank != 0 or None)
+    step = start
     try:
         # Forward and backward (with its recompute) both run under the pinned SDPA kernel order.
         with attention.context(plan["resolved"]["sdpa_backend"]["value"]):
@@ -206,7 +217,11 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                     if step % cfg.train.log_every == 0 and bar.disable:
                         print(f"step {step}/{cfg.train.iterations} loss {rec['loss']:.4f} "
                               f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
-        if ckpt_dir is not None:
+                every = cfg.output.checkpoint_every
+                if ckpt_dir is not None and every and step % every == 0 and step < cfg.train.iterations:
+                    checkpoint.save(engine, ckpt_dir, step, fp, cfg.output.keep_last,
+                                    {"rng": checkpoint.rng_state(), "step": step})
+        if ckpt_dir is not None and cfg.output.save_checkpoint:
             engine.save_checkpoint(str(ckpt_dir), tag="final")
         if export_dir is not None:
             export(engine, cfg, export_dir, step)
