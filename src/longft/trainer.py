@@ -18,6 +18,7 @@ from .export import export
 from .model import build_model
 from .monitor import gpu_inventory
 from .offload import offloaded_activations
+from .progress import LayerProgress
 from .runlog import RunLog
 
 
@@ -195,6 +196,10 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
 
     seq = cfg.data.max_seq_length
     offload = plan["resolved"]["checkpointing"]["value"] == "cpu_offload"
+    layers = next((m for n, m in model.named_modules()
+                   if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)), [])
+    progress = LayerProgress(layers, enabled=rank == 0)
+    last_s = None
     bar = tqdm(range(start + 1, cfg.train.iterations + 1), desc="train", unit="step",
                initial=start, total=cfg.train.iterations, disable=rank != 0 or None)
     step = start
@@ -202,7 +207,10 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         # Forward and backward (with its recompute) both run under the pinned SDPA kernel order.
         with attention.context(plan["resolved"]["sdpa_backend"]["value"]):
             for step in bar:
+                progress.start_step(last_s)
                 rec = _step(engine, batches, cfg.grad_accum_steps, pad_id, now, offload)
+                progress.end_step()
+                last_s = rec["time_s"]
                 if not math.isfinite(rec["loss"]):
                     raise TrainingError(f"loss is {rec['loss']} at step {step}: training would go "
                                         f"on on garbage. Lower optim.lr, check the data, or use bf16")
