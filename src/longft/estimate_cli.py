@@ -23,58 +23,22 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from .estimate import GIB, Estimate, Fit, Setup, describe, estimate, fits, format_table, setup_from_config
+from .estimate import GIB, Setup, describe, estimate, fits, format_table, setup_from_config
+from .placement import (ACHIEVED_FRACTION, CPU_ADAM_PARAMS_PER_S, EXPOSED_FRACTION, GPU_ADAM_BYTES_PER_S,
+                        HOST_LINK_BYTES_PER_S, MICRO_OVERHEAD_TOKENS, MODES, OFFLOADS,
+                        UNKNOWN_PEAK_FLOPS, Candidate, best, overlay, search, step_seconds,
+                        tokens_per_second)
+
+__all__ = [
+    "main", "COMMANDS", "cmd_estimate", "cmd_plan", "cmd_max_context", "SEQ_STEP", "max_context",
+    "candidates_for_confirmation",
+    # re-exported from longft.placement (they lived here before)
+    "ACHIEVED_FRACTION", "UNKNOWN_PEAK_FLOPS", "MICRO_OVERHEAD_TOKENS", "HOST_LINK_BYTES_PER_S",
+    "EXPOSED_FRACTION", "CPU_ADAM_PARAMS_PER_S", "GPU_ADAM_BYTES_PER_S", "step_seconds",
+    "tokens_per_second", "OFFLOADS", "MODES", "Candidate", "search", "best", "overlay",
+]
 
 SEQ_STEP = 1024
-
-# ---------------------------------------------------------------- speed heuristic (plan ranking)
-ACHIEVED_FRACTION = 0.5
-"""Fraction of the dense peak that matmuls reach, recompute included (H200 rows: 0.39 MFU x 4/3)."""
-UNKNOWN_PEAK_FLOPS = 312e12
-"""Dense bf16 peak assumed when the GPU is not in flops.PEAK_TFLOPS (an A100)."""
-MICRO_OVERHEAD_TOKENS = 2048
-"""Fixed cost of one micro-step (launches, hooks, syncs) in token-equivalents of compute."""
-HOST_LINK_BYTES_PER_S = 20e9
-"""Effective PCIe bandwidth for parameter fetches, gradient and checkpoint copies."""
-EXPOSED_FRACTION = 0.5
-"""Share of host<->GPU copy time not hidden behind compute."""
-CPU_ADAM_PARAMS_PER_S = 2.2e9
-"""DeepSpeedCPUAdam speed (H200 row b: 1.24e9 parameters in 0.55 s on 16 cores)."""
-GPU_ADAM_BYTES_PER_S = 1.5e12
-"""Fused Adam on the GPU: 16 B read+written per parameter at about this rate."""
-
-
-def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
-    """Predicted seconds of one optimizer step (grad_accum micro-steps) on one rank."""
-    from .flops import flops_per_token, peak_flops
-
-    T = s.micro_batch * s.seq_len
-    w = 4 if s.precision == "fp32" else 2
-    P_r = sum(n for _, n in _params(arch)) / s.world_size
-    peak = peak_flops(gpu_name, s.precision) or UNKNOWN_PEAK_FLOPS
-    recompute = 1.0 if s.checkpointing == "none" else 4 / 3
-    micro = T * flops_per_token(arch, s.seq_len) * recompute / (ACHIEVED_FRACTION * peak)
-    micro *= 1 + MICRO_OVERHEAD_TOKENS / T
-    if s.offload_param:      # fetch every layer for forward, recompute and backward
-        micro += EXPOSED_FRACTION * 3 * w * P_r / HOST_LINK_BYTES_PER_S
-    if s.checkpointing == "cpu_offload":
-        micro += EXPOSED_FRACTION * 2 * arch["num_hidden_layers"] * T * arch["hidden_size"] * w \
-            / HOST_LINK_BYTES_PER_S
-    if s.offload_optimizer:
-        opt = P_r / CPU_ADAM_PARAMS_PER_S + w * P_r / HOST_LINK_BYTES_PER_S
-    else:
-        opt = 16 * P_r / GPU_ADAM_BYTES_PER_S
-    return s.grad_accum * micro + opt
-
-
-def tokens_per_second(arch: dict, s: Setup, gpu_name: str | None) -> float:
-    """Predicted tokens/s of the whole job (all ranks)."""
-    return s.world_size * s.grad_accum * s.micro_batch * s.seq_len / step_seconds(arch, s, gpu_name)
-
-
-def _params(arch):
-    from .estimate import param_numels
-    return param_numels(arch)
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -156,6 +120,13 @@ def _sizes(a, hw) -> tuple[float | None, float | None]:
     return gpu, host
 
 
+def _add_run_args(ap: argparse.ArgumentParser) -> None:
+    """--params, --gpu-mem, --host-mem: the arguments `estimate` and `max-context` share."""
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--gpu-mem", type=float, help="GiB of one GPU (default: detected)")
+    ap.add_argument("--host-mem", type=float, help="GiB of host RAM per node (default: detected)")
+
+
 def _load(params: str):
     from .config import load
 
@@ -168,9 +139,7 @@ def _load(params: str):
 def cmd_estimate(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="longft estimate",
                                  description="Itemised peak VRAM / DRAM prediction for a params file.")
-    ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--gpu-mem", type=float, help="GiB of one GPU (default: detected)")
-    ap.add_argument("--host-mem", type=float, help="GiB of host RAM per node (default: detected)")
+    _add_run_args(ap)
     a = ap.parse_args(argv)
     from .hardware import detect
 
@@ -190,74 +159,8 @@ def cmd_estimate(argv: list[str]) -> int:
     return 0 if fit.ok else 1
 
 
-# ---------------------------------------------------------------- plan
 
-OFFLOADS = {"none": (False, False), "opt": (True, False), "opt+param": (True, True)}
-MODES = ("none", "gpu", "cpu_offload")
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    setup: Setup
-    est: Estimate
-    fit: Fit
-    tokens_per_s: float
-    offload: str
-
-    @property
-    def gpu_need(self) -> int:
-        return self.est.gpu_nvml
-
-    def overshoot(self, gpu_mem_gib: float, host_mem_gib: float) -> float:
-        """How far over the memory it is (1.0 = exactly full); the larger of GPU and host."""
-        return max(self.est.gpu_nvml / (gpu_mem_gib * GIB), self.est.host_rss / (host_mem_gib * GIB))
-
-
-def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu_name: str | None,
-           max_micro: int = 64, modes: tuple[str, ...] = MODES) -> list[Candidate]:
-    """Every ZeRO-3 candidate (offload x checkpointing x micro-batch 1..max_micro) that fits, and
-    for each offload x mode that fits at no micro-batch its micro-batch-1 candidate (not fitting).
-    Memory grows with the micro-batch, so each scan stops at the first that does not fit."""
-    out = []
-    for off, (opt, param) in OFFLOADS.items():
-        for mode in modes:
-            for m in range(1, max_micro + 1):
-                s = dataclasses.replace(base, micro_batch=m, checkpointing=mode, zero_stage=3,
-                                        offload_optimizer=opt, offload_param=param, grad_accum=1)
-                e = estimate(arch, s)
-                f = fits(e, gpu_mem_gib, host_mem_gib)
-                if f.ok or m == 1:
-                    out.append(Candidate(s, e, f, tokens_per_second(arch, s, gpu_name), off))
-                if not f.ok:
-                    break
-    return out
-
-
-def best(cands: list[Candidate], within: float = 0.02) -> Candidate | None:
-    """The fastest fitting candidate; among those within `within` of the fastest, the one needing
-    the least GPU memory (a larger micro-batch only helps up to a point, headroom always does)."""
-    ok = [c for c in cands if c.fit.ok]
-    if not ok:
-        return None
-    top = max(c.tokens_per_s for c in ok)
-    near = [c for c in ok if c.tokens_per_s >= (1 - within) * top]
-    return min(near, key=lambda c: (c.gpu_need, -c.tokens_per_s))
-
-
-def overlay(model: str, c: Candidate, gpus: int, shipped: bool) -> dict:
-    """The params overlay for a candidate (merge onto params.yaml)."""
-    s = c.setup
-    opt, param = OFFLOADS[c.offload]
-    model_sec = {"name": model, **({"source": "random"} if shipped else {})}
-    return {
-        "model": model_sec,
-        "data": {"max_seq_length": s.seq_len},
-        "hardware": {"num_gpus": gpus},
-        "checkpointing": {"mode": s.checkpointing},
-        "zero": {"stage": 3, "offload_optimizer": "cpu" if opt else "none",
-                 "offload_param": "cpu" if param else "none"},
-        "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},
-    }
+# ---------------------------------------------------------------- plan (the search: longft.placement)
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -369,9 +272,7 @@ def max_context(arch: dict, base: Setup, gpu_mem_gib: float | None, host_mem_gib
 def cmd_max_context(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="longft max-context",
                                  description="Longest context (multiple of 1024) that fits.")
-    ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--gpu-mem", type=float, help="GiB of one GPU (default: detected)")
-    ap.add_argument("--host-mem", type=float, help="GiB of host RAM per node (default: detected)")
+    _add_run_args(ap)
     ap.add_argument("--max-seq", type=int, default=None,
                     help="upper end of the search (default: the model's max_position_embeddings)")
     a = ap.parse_args(argv)

@@ -1,0 +1,116 @@
+"""Host items of the estimate, per node: the process baseline, the pinned buffers (replayed through
+torch's power-of-two host caching allocator) and CPU Adam's states.
+"""
+
+from __future__ import annotations
+
+from .estimate_arch import Numbers, share
+from .estimate_types import (CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES, GIB, LAUNCHER_BASE_BYTES,
+                             OFFLOAD_MIN_BYTES, RANK_BASE_BYTES, Item, Setup)
+
+
+def pinned(n: int) -> int:
+    """Bytes that a pinned host buffer of n bytes really takes: torch's CachingHostAllocator rounds
+    every request up to a power of two and keeps freed blocks cached (resident) for reuse."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+def pinned_pool(events: list[tuple[str, str, int]], rounding: bool = True
+                ) -> tuple[dict[str, int], int]:
+    """Replay pinned allocations through torch's host caching allocator.
+
+    events: ("alloc", key, bytes) or ("free", key, 0). A request reuses a cached free block of the
+    same power-of-two size, else takes a new one; blocks are never returned to the OS. Returns
+    (rounded bytes of the blocks still allocated, by key) and the resident total (all blocks).
+    rounding=False (a CPU run: pin_memory does nothing) keeps sizes and frees for real.
+    """
+    if not rounding:
+        live = {}
+        for op, key, n in events:
+            if op == "alloc":
+                live[key] = n
+            else:
+                live.pop(key)
+        return live, sum(live.values())
+    free: dict[int, int] = {}
+    live: dict[str, int] = {}
+    resident = 0
+    for op, key, n in events:
+        if op == "alloc":
+            r = pinned(n)
+            if free.get(r, 0) > 0:
+                free[r] -= 1
+            else:
+                resident += r
+            live[key] = r
+        else:
+            r = live.pop(key)
+            free[r] = free.get(r, 0) + 1
+    return live, resident
+
+
+def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
+    """Per node: process baseline, pinned buffers (replayed through torch's host cache), CPU Adam."""
+    R, w, N, z3 = s.ranks_per_node, n.w, s.world_size, s.zero_stage == 3
+    cuda = s.device == "cuda"
+    launcher, rank = ((LAUNCHER_BASE_BYTES, RANK_BASE_BYTES) if cuda
+                      else (CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES))
+    out = [Item("process baseline", "host", launcher + R * rank, ("steady",),
+                f"launcher {launcher / GIB:.2f} GiB + {R} rank(s) x {rank / GIB:.2f} GiB")]
+    events: list[tuple[str, str, int]] = []
+    names: dict[str, str] = {}
+
+    def alloc(key, b, name):
+        events.append(("alloc", key, b))
+        names[key] = name
+
+    if s.offload_param:      # zero.Init pins each partition, then the optimizer moves them to one buffer
+        for i, (_, m) in enumerate(n.params):
+            alloc(f"init:{i}", w * share(m, N), "")
+        alloc("lp", w * n.P_r, "weights: partitions (pinned)")
+        events += [("free", f"init:{i}", 0) for i in range(len(n.params))]
+    if s.offload_optimizer and z3:
+        for i, g in enumerate(n.groups):
+            alloc(f"g32:{i}", 4 * g, "CPU Adam fp32 gradients (pinned)")
+        alloc("g16", w * n.Pt_r, "gradients: partitions (pinned)")
+    elif s.offload_optimizer:
+        alloc("m32", 4 * n.Pt_r, "optimizer: fp32 master (pinned)")
+        alloc("p16", w * n.Pt_r, "weights: bf16 staging (pinned)")
+        alloc("tmp", w * n.largest, "gradients: staging (pinned)")
+        alloc("g32", 4 * n.Pt_r, "CPU Adam fp32 gradients (pinned)")
+        if s.grad_accum > 1:
+            for i, m in enumerate(n.trainable):
+                alloc(f"acc:{i}", w * share(m, N), "gradient accumulation buffers (pinned)")
+    if s.checkpointing == "cpu_offload":
+        T, h, V = n.T, n.a["h"], n.a["V"]
+        for i in range(n.a["L"]):
+            alloc(f"ckpt:{i}", T * w * h, "activation checkpoints (pinned)")
+        # the other tensors saved outside the checkpointed layers go too (offload.py)
+        outer = [("final norm input", T * w * h), ("final norm rstd", T * 4), ("input ids", T * 8)]
+        outer += ([("loss grad_input", T * w * h), ("loss grad_weight", w * V * h)] if s.liger
+                  else [("lm_head input", T * w * h), ("log-softmax output", T * V * 4)])
+        for key, b in outer:
+            if b >= OFFLOAD_MIN_BYTES:
+                alloc(f"outer:{key}", b, "other offloaded saved tensors (pinned)")
+    for j in range(2):       # the DataLoader pins each batch; the previous one is still referenced
+        for t in range(3):
+            alloc(f"batch:{j}:{t}", n.T * 8, "DataLoader pinned batches")
+    live, resident = pinned_pool(events, rounding=cuda)
+    by_name: dict[str, int] = {}
+    for key, r in live.items():
+        by_name[names[key]] = by_name.get(names[key], 0) + r
+    for name, b in by_name.items():
+        out.append(Item(name if cuda else name.replace(" (pinned)", "").replace(" pinned", ""),
+                        "host", R * b, ("steady",),
+                        f"{R} rank(s) x power-of-two pinned blocks" if cuda else f"{R} rank(s)"))
+    if resident > sum(live.values()):
+        out.append(Item("pinned blocks cached after zero.Init", "host",
+                        R * (resident - sum(live.values())), ("steady",),
+                        "per-parameter pinned partitions freed into torch's host cache, not reused"))
+    if s.offload_optimizer:
+        if z3:
+            out.append(Item("optimizer: fp32 master", "host", R * 4 * n.Pt_r, ("steady",),
+                            f"{R} x 4 B x {n.Pt_r:,}"))
+        out.append(Item("optimizer: Adam m, v (CPU Adam)", "host", R * 8 * n.Pt_r, ("steady",),
+                        f"{R} x 8 B x {n.Pt_r:,}"))
+    return out

@@ -1,0 +1,121 @@
+"""What the memory estimator works on and returns, and its calibration constants.
+
+`Setup` is a run as far as memory cares (every `auto` resolved); `Item` is one line of the
+estimate (bytes, where, when alive, formula); `Estimate` is the whole prediction. The constants
+are measured on the H200 rows; docs/estimator.md says how.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+PHASES = ("loss", "backward", "step")
+"""GPU moments compared for the peak: end of the forward (fused loss computed), backward of the
+last decoder layer (all checkpoints still held), optimizer step (activations gone)."""
+
+# ---------------------------------------------------------------- calibration (docs/estimator.md)
+CUDA_CONTEXT_BYTES = int(1.9 * GIB)
+"""NVML used minus torch reserved on the H200 rows: 1.89 and 1.93 GiB (CUDA context, cuBLAS/cuDNN
+handles, NCCL, loaded kernels, driver reservations). Not part of torch's allocator."""
+RESERVED_FACTOR = 1.2
+"""torch max reserved / max allocated on the H200 rows: 1.17 and 1.24 (caching, fragmentation)."""
+RANK_BASE_BYTES = int(3.44 * GIB)
+"""Host RSS of one rank with nothing offloaded: python, torch, CUDA/cuBLAS/cuDNN/NCCL libraries,
+the CUDA context's host side, DeepSpeed, transformers."""
+LAUNCHER_BASE_BYTES = int(1.50 * GIB)
+"""Host RSS of the launcher side of the tree (stage process, deepspeed runner and launch). With the
+per-rank part this adds up to the 4.94 GiB measured on H200 row (a); the split is assumed."""
+CPU_RANK_BASE_BYTES = int(0.74 * GIB)
+CPU_LAUNCHER_BASE_BYTES = int(0.45 * GIB)
+"""The same two on a CPU-only run (no CUDA libraries): with the tiny model's tensors they add up to
+the 1.23 GiB the repository's CPU run measured (metrics/train.json); the split is assumed."""
+DS_SUB_GROUP_SIZE = 10**9
+"""DeepSpeed's default zero_optimization.sub_group_size (ds_config does not set it): the optimizer
+step and its fp32 gradient buffers work on groups of about this many parameter elements."""
+OFFLOAD_MIN_BYTES = 1 << 20
+"""offload.py (checkpointing cpu_offload) moves every saved tensor of at least this size that is
+saved outside the checkpointed layers to pinned host memory."""
+LOSS_CHUNK_MEM = 1
+"""Liger fused linear cross-entropy's chunk_mem_const: logits chunk ~ BT x H elements."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything about a run that memory depends on, with every `auto` already resolved."""
+    micro_batch: int
+    seq_len: int
+    device: str = "cuda"             # cuda | cpu (DeepSpeed's CPU accelerator: tensors in host RAM)
+    world_size: int = 1
+    ranks_per_node: int = 1
+    precision: str = "bf16"          # bf16 | fp16 | fp32
+    attention: str = "sdpa"          # flash_attention_2 | sdpa | eager
+    sdpa_backend: str = "default"    # default | flash | cudnn | efficient | math
+    liger: bool = True
+    checkpointing: str = "gpu"       # none | gpu | cpu_offload
+    zero_stage: int = 3
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    overlap_comm: bool = True
+    grad_accum: int = 1
+    packed: bool = False             # rows hold several documents: sdpa/eager get a [s x s] mask
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.micro_batch < 1 or self.seq_len < 1 or self.world_size < 1 or self.ranks_per_node < 1:
+            p.append("micro_batch, seq_len, world_size and ranks_per_node must be >= 1")
+        if self.device not in ("cuda", "cpu"):
+            p.append(f"device {self.device!r} is not cuda or cpu")
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            p.append(f"precision {self.precision!r} is not bf16, fp16 or fp32")
+        if self.attention not in ("flash_attention_2", "sdpa", "eager"):
+            p.append(f"attention {self.attention!r} is not flash_attention_2, sdpa or eager")
+        if self.sdpa_backend not in ("default", "flash", "cudnn", "efficient", "math"):
+            p.append(f"sdpa_backend {self.sdpa_backend!r} is not default, flash, cudnn, efficient or math")
+        if self.checkpointing not in ("none", "gpu", "cpu_offload"):
+            p.append(f"checkpointing {self.checkpointing!r} is not none, gpu or cpu_offload")
+        if self.zero_stage not in (2, 3):
+            p.append(f"zero_stage {self.zero_stage} is not 2 or 3")
+        if self.offload_param and self.zero_stage != 3:
+            p.append("offload_param needs zero_stage 3")
+        return p
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    where: str                       # "gpu" (per rank) or "host" (per node)
+    bytes: int
+    phases: tuple[str, ...]          # GPU: the PHASES it is alive in; host: ("steady",)
+    formula: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    setup: Setup
+    items: tuple[Item, ...]
+    gpu_phases: dict                 # phase -> bytes
+    gpu_peak_phase: str
+    gpu_allocated: int               # predicts torch.cuda.max_memory_allocated()
+    gpu_reserved: int                # x RESERVED_FACTOR: predicts max_memory_reserved()
+    gpu_nvml: int                    # + CUDA_CONTEXT_BYTES: predicts NVML device used
+    host_rss: int                    # predicts process-tree RSS peak of one node
+
+    def gpu_items(self) -> list[Item]:
+        return [i for i in self.items if i.where == "gpu"]
+
+    def host_items(self) -> list[Item]:
+        return [i for i in self.items if i.where == "host"]
+
+
+@dataclass(frozen=True)
+class Fit:
+    gpu_ok: bool | None              # None: no GPU size to compare with
+    host_ok: bool | None
+    reasons: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.gpu_ok is not False and self.host_ok is not False
