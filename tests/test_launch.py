@@ -60,3 +60,19 @@ def test_free_port_avoids_a_taken_port():
         s.listen()
         taken = s.getsockname()[1]
         assert free_port(taken) != taken
+
+
+def test_each_python_environment_gets_its_own_op_build_folder():
+    env = environment("cpu", {})
+    assert "torch_extensions" in env["TORCH_EXTENSIONS_DIR"]
+    assert environment("cpu", {"TORCH_EXTENSIONS_DIR": "/x"})["TORCH_EXTENSIONS_DIR"] == "/x"
+
+
+def test_stale_cpu_allreduce_buffers_of_a_port_are_removed(tmp_path):
+    from longft.launch import drop_shm_buffers
+    mine = tmp_path / "deepspeed_allreduce_buffer_0_127.0.0.1_29511_0"
+    other = tmp_path / "deepspeed_allreduce_buffer_0_127.0.0.1_29600_0"
+    mine.write_bytes(b"x")
+    other.write_bytes(b"x")
+    drop_shm_buffers(29511, tmp_path)
+    assert not mine.exists() and other.exists()

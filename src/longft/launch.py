@@ -6,6 +6,7 @@ sampler watching the whole process tree (launcher and every rank).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -53,14 +54,29 @@ def environment(device: str, base: dict | None = None) -> dict:
     if arch:
         # DeepSpeed's op builder int()-parses each entry; '9.0a' (set by some CUDA images) breaks it.
         env["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch)
+    # One JIT-build folder per Python environment: two venvs sharing ~/.cache/torch_extensions
+    # keep rebuilding each other's DeepSpeed ops (their build files differ), and a build killed
+    # half-way leaves a lock that makes every later run wait forever.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(
+        Path.home() / ".cache" / "longft" / "torch_extensions"
+        / hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
 
-def run(cmd: list[str], env: dict, run_dir: Path) -> int:
+def drop_shm_buffers(port: int, shm: Path = Path("/dev/shm")) -> None:
+    """Remove DeepSpeed's CPU all-reduce buffers of runs on `port` (a killed run leaves them)."""
+    for f in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        f.unlink(missing_ok=True)
+
+
+def run(cmd: list[str], env: dict, run_dir: Path, port: int | None = None) -> int:
     """Run the launcher with the host-memory sampler; return its exit code."""
     from .monitor import HostSampler
+
+    if port is not None:
+        drop_shm_buffers(port)
 
     if cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and shutil.which("ninja") is None:
         print("longft: note: ninja not on PATH; DeepSpeed may fail to JIT-compile its CPU Adam op",
@@ -71,6 +87,8 @@ def run(cmd: list[str], env: dict, run_dir: Path) -> int:
         proc = subprocess.run(cmd, env=env)
     finally:
         write_json(run_dir / "monitor.json", sampler.stop())
+        if port is not None:
+            drop_shm_buffers(port)
     return proc.returncode
 
 
