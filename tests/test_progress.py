@@ -1,4 +1,4 @@
-"""Per-layer progress: counts every layer in forward and, with checkpointing, in backward."""
+"""Per-layer progress: counts every layer in forward and in backward."""
 
 import io
 
@@ -34,15 +34,15 @@ def test_counts_forward_and_recompute_per_layer_once_a_step_is_slow():
     out = io.StringIO()
     prog = LayerProgress(model.model.layers, enabled=True, after_s=5.0, file=out)
     assert step(model, prog, last=1.0) == (0, 0)       # fast steps: no bar, nothing counted
-    assert step(model, prog, last=12.0) == (2, 2)      # 2 layers forward, 2 recomputed in backward
+    assert step(model, prog, last=12.0) == (2, 2)      # 2 layers forward, 2 in backward
     assert "layer" in out.getvalue()
     prog.remove()
     assert step(model, prog, last=12.0) == (0, 0)      # hooks gone
 
 
-def test_without_checkpointing_only_forward_is_seen_and_disabled_does_nothing():
+def test_without_checkpointing_too_and_disabled_does_nothing():
     model = tiny(checkpointing=False)
     prog = LayerProgress(model.model.layers, enabled=True, file=io.StringIO())
-    assert step(model, prog, last=10.0) == (2, 0)
+    assert step(model, prog, last=10.0) == (2, 2)
     off = LayerProgress(model.model.layers, enabled=False)
     assert step(model, off, last=10.0) == (0, 0) and off.bar is None

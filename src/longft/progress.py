@@ -2,9 +2,10 @@
 
 A long-context step can take minutes; a bar that moves once per step says nothing meanwhile. Once a
 step has taken longer than `after_s`, each following step shows a bar over the decoder layers:
-forward hooks count the forward pass, and with activation checkpointing the same hooks fire again
-as each layer is recomputed in backward (autograd's graph task is then active), which marks
-backward progress layer by layer, last layer first. Hooks only count; they change nothing.
+a forward pre-hook counts each layer's forward and puts a gradient hook on the layer's input,
+which fires when backward has gone through that layer (last layer first). This does not depend on
+how (or whether) the layers are recomputed, which changes between transformers releases. Hooks
+only count; they change nothing.
 """
 
 from __future__ import annotations
@@ -24,15 +25,19 @@ class LayerProgress:
             if self.enabled else []
 
     def _hook(self, module, args) -> None:
-        if self.bar is None:
-            return
-        if torch._C._current_graph_task_id() == -1:
-            self.forward += 1
-            self.bar.set_description("forward")
-        else:
-            self.backward += 1
-            self.bar.set_description("backward (recompute)")
+        if self.bar is None or torch._C._current_graph_task_id() != -1:
+            return  # no bar, or a recompute inside backward
+        self.forward += 1
+        self.bar.set_description("forward")
         self.bar.update(1)
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(self._backward_done)
+
+    def _backward_done(self, grad):
+        if self.bar is not None:
+            self.backward += 1
+            self.bar.set_description("backward")
+            self.bar.update(1)
 
     def start_step(self, last_step_s: float | None) -> None:
         """Open a bar for this step if the previous one was slow."""
