@@ -19,6 +19,7 @@ from pathlib import Path
 from longft.checkpoint import complete_steps, fingerprint
 from longft.config import ConfigError, load
 from longft.launch import LaunchError, command, environment, free_port, run
+from longft.preflight import host_memory
 
 
 def main() -> int:
@@ -51,6 +52,10 @@ def main() -> int:
             if port != cfg.hardware.master_port:
                 print(f"train: port {cfg.hardware.master_port} is in use here; using {port}")
         cmd = command(cfg, device, worker, port)
+        # Before any rank starts and before anything is deleted: does the host RAM suffice?
+        note = host_memory(cfg, plan)
+        if note:
+            print(f"train: {note}")
     except FileNotFoundError as e:
         print(f"longft train: {e.filename} is missing; run `dvc repro` (prepare and patch first)",
               file=sys.stderr)

@@ -94,6 +94,11 @@ class HardwareConfig:
     master_port: int = 29511
     vram_limit_gib: Optional[float] = None
     """Cap this process's GPU memory to emulate a smaller card (torch's per-process fraction)."""
+    host_mem_check: bool = True
+    """Before any rank starts, the train stage compares the estimator's predicted peak host memory
+    (artifacts/plan.json, process-tree RSS of this node) with the RAM available now and refuses to
+    start when it does not fit. false skips the check (e.g. when the estimate is known to be too
+    high for this machine)."""
 
 
 @dataclass(frozen=True)
