@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 from .config import ConfigError, load
+from .opbuild import diagnose
 from .trainer import TrainingError, train
 
 
@@ -41,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
               Path(a.export) if a.export else None)
     except (ConfigError, TrainingError, ValueError) as e:
         print(f"longft train: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:
+        failure = diagnose(e)  # a DeepSpeed op that could not be compiled or loaded?
+        if failure is None:
+            raise
+        print(f"longft train: {failure.message()}", file=sys.stderr, flush=True)
         return 2
     return 0
 
