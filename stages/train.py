@@ -73,7 +73,8 @@ def main() -> int:
     Path(a.checkpoints).mkdir(parents=True, exist_ok=True)
     Path(a.export).mkdir(parents=True, exist_ok=True)
     print("train:", " ".join(cmd), flush=True)
-    return run(cmd, environment(device), run_dir, port if device == "cpu" else None)
+    env = environment(device, expandable_segments=cfg.hardware.expandable_segments)
+    return run(cmd, env, run_dir, port if device == "cpu" else None)
 
 
 if __name__ == "__main__":

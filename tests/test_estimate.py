@@ -154,25 +154,23 @@ def test_llama_1b_row_a_by_hand():
 
 
 def test_llama_1b_row_b_host_by_hand():
-    """H200 row (b): parameters and optimizer on the CPU, micro-batch 20; measured 32.90 GiB RSS."""
+    """H200 row (b): parameters and optimizer on the CPU, micro-batch 20. zero.Init's per-parameter
+    pinned partitions (embed 525 MB -> 512 MiB block, 16 x 116 MiB of layers) go back to the OS when
+    the trainer empties torch's pinned cache after deepspeed.initialize: no cached-blocks item."""
     e = estimate(LLAMA_1B, Setup(micro_batch=20, seq_len=16384, offload_optimizer=True,
                                  offload_param=True))
     P = 1_235_814_400
-    per_layer_pinned = 8 * MiB + 2 * MiB + 2 * MiB + 8 * MiB + 3 * 32 * MiB + 2 * 4 * KiB
     want = {
         "process baseline": LAUNCHER_BASE_BYTES + RANK_BASE_BYTES,
         "weights: partitions (pinned)": 2**32,                  # 2 B x P = 2.47e9 -> 4 GiB block
         "CPU Adam fp32 gradients (pinned)": 2**32 + 2**30,      # 4 B x 1,003,012,096 and x 232,802,304
         "gradients: partitions (pinned)": 2**32,
         "DataLoader pinned batches": 6 * 4 * MiB,               # 20 x 16384 x 8 B -> 4 MiB, 2 x 3
-        # zero.Init's per-parameter pinned partitions, freed into torch's cache: embed 525 MB -> 512 MiB
-        "pinned blocks cached after zero.Init": 512 * MiB + 16 * per_layer_pinned + 4 * KiB,
         "optimizer: fp32 master": 4 * P,
         "optimizer: Adam m, v (CPU Adam)": 8 * P,
     }
     assert items(e, "host") == want
     assert e.host_rss == sum(want.values())
-    assert abs(e.host_rss / GIB - 32.902) / 32.902 < 0.05
 
 
 def test_llama_1b_row_b_gpu_by_hand():
@@ -270,11 +268,15 @@ def test_checkpointing_modes_order_gpu_memory_and_move_host_memory():
     # cpu_offload: 16 checkpoints of 32768 x 2048 x 2 B = 128 MiB each, pinned on the host
     host = items(cpu, "host")
     assert host["activation checkpoints (pinned)"] == 16 * 128 * MiB
-    # and what else is saved outside the layers (>= 1 MiB): final-norm input 128 MiB, the fused
-    # loss's grad_input 128 MiB and grad_weight 128256 x 2048 x 2 B -> 512 MiB block; rstd
-    # (128 KiB) and input ids (256 KiB) stay
-    assert host["other offloaded saved tensors (pinned)"] == 128 * MiB + 128 * MiB + 512 * MiB
-    assert cpu.host_rss - gpu.host_rss == 16 * 128 * MiB + 768 * MiB
+    # only the layers' inputs go: tensors saved outside the layers (final-norm input, the fused
+    # loss's gradients) stay on the GPU (offload.CheckpointOffload)
+    assert "other offloaded saved tensors (pinned)" not in host
+    assert cpu.host_rss - gpu.host_rss == 16 * 128 * MiB
+    # gpu_layers keeps the last layers' checkpoints on the GPU: host and GPU trade 128 MiB each
+    four = estimate(LLAMA_1B, dataclasses.replace(base, checkpointing="cpu_offload", gpu_layers=4))
+    assert items(four, "host")["activation checkpoints (pinned)"] == 12 * 128 * MiB
+    assert items(four)["activation checkpoints kept on the GPU"] == 4 * 128 * MiB
+    assert four.gpu_allocated - cpu.gpu_allocated == 4 * 128 * MiB
 
 
 def test_liger_off_materialises_fp32_logits():
@@ -312,10 +314,11 @@ def test_bad_setup_is_refused():
 
 def test_reference_row_c_sanity():
     """Llama-3.1-8B, 128000 tokens, everything offloaded (the reference study's code measured
-    54.2 GB allocated and 174 GiB RSS): the estimate lands in the same place."""
+    54.2 GB allocated and 174 GiB RSS): the estimate lands in the same place, less the ~14.5 GiB
+    of zero.Init's pinned blocks that longft gives back and the reference code keeps."""
     e = estimate(LLAMA_8B, Setup(1, 128000, offload_optimizer=True, offload_param=True))
     assert 45 < e.gpu_allocated / GIB < 60
-    assert 160 < e.host_rss / GIB < 190
+    assert 150 < e.host_rss / GIB < 174
 
 
 # ---------------------------------------------------------------- plumbing

@@ -92,3 +92,42 @@ def test_plan_accepts_cpu_offload_on_a_gpu(mode):
                     gpu_mem_gib=139.8, liger=True)
     r = resolve(from_dict({"checkpointing": {"mode": mode}}), h200, "llama")
     assert r["checkpointing"].value == "cpu_offload"
+
+
+def _decoder_layers(model):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@pytest.mark.parametrize("gpu_layers", [0, 1])
+def test_checkpoint_offload_moves_only_the_layer_inputs(gpu_layers):
+    from longft.offload import CheckpointOffload
+
+    model = tiny_model()
+    ids = torch.randint(1, 300, (1, 256))
+    loss_ref, g_ref = grads(model, ids)
+    off = CheckpointOffload(_decoder_layers(model), gpu_layers=gpu_layers, hooks=CpuHooks)
+    hooks = off.new_step()
+    loss, g = grads(model, ids)  # the hooks act from inside the layers' checkpoint calls
+    assert torch.equal(loss, loss_ref)
+    for n in g_ref:
+        assert torch.equal(g[n], g_ref[n]), n
+    # exactly the inputs of the offloaded layers ([1, 256, 64] fp32 each): nothing saved outside
+    # the layers (final norm input, logits) and nothing of the last gpu_layers layers
+    n_layers = len(_decoder_layers(model))
+    assert hooks.offloaded_bytes == (n_layers - gpu_layers) * 256 * 64 * 4
+    assert sorted(hooks.unpacked) == list(range(n_layers - gpu_layers))
+    assert hooks.host == {} and hooks.prefetched == {}
+
+
+def test_checkpoint_offload_needs_checkpointing_and_bounds_gpu_layers():
+    from longft.offload import CheckpointOffload
+    from longft.patch import offload_checkpoints
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match="gpu_layers is 9 but the model has 2 decoder layers"):
+        offload_checkpoints(model, gpu_layers=9)
+    model.gradient_checkpointing_disable()
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        CheckpointOffload(_decoder_layers(model))

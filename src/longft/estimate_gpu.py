@@ -9,6 +9,7 @@ import math
 
 from .estimate_arch import Numbers, dims, layer_params
 from .estimate_types import LOSS_CHUNK_MEM, PHASES, Item, Setup
+from .tiled import tiles
 
 
 def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
@@ -33,6 +34,15 @@ def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
         qk = x * 3 * Hd + x * 3 * k_saved                    # q, rotate_half(q), q_embed; same for k
         mlp = 4 * x * I                                      # gate, act(gate), up, act*up
         mlp_bwd = 3 * x * I                                  # d(prod), d(act), d(up)
+    mlp_tile = 0
+    if s.tiled_mlp:
+        # TiledMLP saves only its input (the norm output, counted above); its backward holds a
+        # [tokens, h] input-grad buffer and one tile's intermediates at a time.
+        tokens = s.micro_batch * s.seq_len
+        frac = min(1.0, s.tile_tokens / tokens) if tiles(tokens, s.tile_tokens) > 1 else 1.0
+        if frac < 1.0:
+            mlp_tile = int(frac * (mlp + mlp_bwd + 2 * x * h)) + x * h
+            mlp, mlp_bwd = 0, 0
     v = x * k_saved
     attn_out = x * Hd                                        # kernel output = o_proj input (no copy)
     residual = x * h                                         # h1 = x + attn, post-norm input
@@ -41,7 +51,7 @@ def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
     probs = H * s.seq_len * (4 + x) if quadratic else 0
     saved = norms + qk + v + attn_out + residual + mlp + small + probs
     dout = x * h                                             # gradient arriving at the layer output
-    peak_mlp = saved + mlp_bwd + dout
+    peak_mlp = saved + mlp_bwd + dout + mlp_tile
     # attention backward: MLP tensors are gone; dq (+ fp32 accumulator), dk, dv (expanded for GQA)
     attn_alive = norms // 2 + qk + v + attn_out + small + probs + x * Hd + x * h  # + d_out, d_h1
     attn_tmp = x * Hd + 4 * Hd + 2 * x * kvd + (2 * x * Hd if kv != H else 0) + probs
@@ -136,6 +146,9 @@ def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
     if s.checkpointing == "gpu":
         gpu("activation checkpoints (GPU)", L * ckpt, FB, f"L {L} x micro x seq x h {h} x {x} B")
     elif s.checkpointing == "cpu_offload":
+        if s.gpu_layers:
+            gpu("activation checkpoints kept on the GPU", s.gpu_layers * ckpt, FB,
+                f"gpu_layers {s.gpu_layers} x micro x seq x h x {x} B")
         gpu("activation checkpoints: in use + prefetched", 2 * ckpt, FB,
             f"2 x micro x seq x h x {x} B (the rest in pinned host memory)")
     else:

@@ -19,8 +19,10 @@ def pinned_pool(events: list[tuple[str, str, int]], rounding: bool = True
                 ) -> tuple[dict[str, int], int]:
     """Replay pinned allocations through torch's host caching allocator.
 
-    events: ("alloc", key, bytes) or ("free", key, 0). A request reuses a cached free block of the
-    same power-of-two size, else takes a new one; blocks are never returned to the OS. Returns
+    events: ("alloc", key, bytes), ("free", key, 0) or ("empty", "", 0). A request reuses a cached
+    free block of the same power-of-two size, else takes a new one; freed blocks stay resident
+    until an "empty" (torch._C._host_emptyCache, which the trainer calls after
+    deepspeed.initialize) gives the cached ones back to the OS. Returns
     (rounded bytes of the blocks still allocated, by key) and the resident total (all blocks).
     rounding=False (a CPU run: pin_memory does nothing) keeps sizes and frees for real.
     """
@@ -29,14 +31,17 @@ def pinned_pool(events: list[tuple[str, str, int]], rounding: bool = True
         for op, key, n in events:
             if op == "alloc":
                 live[key] = n
-            else:
+            elif op == "free":
                 live.pop(key)
         return live, sum(live.values())
     free: dict[int, int] = {}
     live: dict[str, int] = {}
     resident = 0
     for op, key, n in events:
-        if op == "alloc":
+        if op == "empty":
+            resident -= sum(size * count for size, count in free.items())
+            free = {}
+        elif op == "alloc":
             r = pinned(n)
             if free.get(r, 0) > 0:
                 free[r] -= 1
@@ -81,17 +86,11 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         if s.grad_accum > 1:
             for i, m in enumerate(n.trainable):
                 alloc(f"acc:{i}", w * share(m, N), "gradient accumulation buffers (pinned)")
-    if s.checkpointing == "cpu_offload":
-        T, h, V = n.T, n.a["h"], n.a["V"]
-        for i in range(n.a["L"]):
-            alloc(f"ckpt:{i}", T * w * h, "activation checkpoints (pinned)")
-        # the other tensors saved outside the checkpointed layers go too (offload.py)
-        outer = [("final norm input", T * w * h), ("final norm rstd", T * 4), ("input ids", T * 8)]
-        outer += ([("loss grad_input", T * w * h), ("loss grad_weight", w * V * h)] if s.liger
-                  else [("lm_head input", T * w * h), ("log-softmax output", T * V * 4)])
-        for key, b in outer:
-            if b >= OFFLOAD_MIN_BYTES:
-                alloc(f"outer:{key}", b, "other offloaded saved tensors (pinned)")
+    events.append(("empty", "", 0))  # after deepspeed.initialize (trainer.py)
+    if s.checkpointing == "cpu_offload" and n.T * w * n.a["h"] >= OFFLOAD_MIN_BYTES:
+        # only the decoder layers' saved inputs go (offload.CheckpointOffload), not the last gpu_layers
+        for i in range(max(0, n.a["L"] - s.gpu_layers)):
+            alloc(f"ckpt:{i}", n.T * w * n.a["h"], "activation checkpoints (pinned)")
     for j in range(2):       # the DataLoader pins each batch; the previous one is still referenced
         for t in range(3):
             alloc(f"batch:{j}:{t}", n.T * 8, "DataLoader pinned batches")
@@ -104,9 +103,9 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
                         "host", R * b, ("steady",),
                         f"{R} rank(s) x power-of-two pinned blocks" if cuda else f"{R} rank(s)"))
     if resident > sum(live.values()):
-        out.append(Item("pinned blocks cached after zero.Init", "host",
+        out.append(Item("pinned blocks cached (freed, not reused)", "host",
                         R * (resident - sum(live.values())), ("steady",),
-                        "per-parameter pinned partitions freed into torch's host cache, not reused"))
+                        "freed pinned blocks kept in torch's host cache"))
     if s.offload_optimizer:
         if z3:
             out.append(Item("optimizer: fp32 master", "host", R * 4 * n.Pt_r, ("steady",),

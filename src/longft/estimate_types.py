@@ -34,8 +34,8 @@ DS_SUB_GROUP_SIZE = 10**9
 """DeepSpeed's default zero_optimization.sub_group_size (ds_config does not set it): the optimizer
 step and its fp32 gradient buffers work on groups of about this many parameter elements."""
 OFFLOAD_MIN_BYTES = 1 << 20
-"""offload.py (checkpointing cpu_offload) moves every saved tensor of at least this size that is
-saved outside the checkpointed layers to pinned host memory."""
+"""offload.py (checkpointing cpu_offload) moves a decoder layer's saved input to pinned host memory
+when it is at least this large."""
 LOSS_CHUNK_MEM = 1
 """Liger fused linear cross-entropy's chunk_mem_const: logits chunk ~ BT x H elements."""
 
@@ -53,6 +53,9 @@ class Setup:
     sdpa_backend: str = "default"    # default | flash | cudnn | efficient | math
     liger: bool = True
     checkpointing: str = "gpu"       # none | gpu | cpu_offload
+    gpu_layers: int = 0              # cpu_offload: last N layers keep their checkpoints on the GPU
+    tiled_mlp: bool = False          # MLP over tiles of tile_tokens tokens (tiled.py)
+    tile_tokens: int = 8192
     zero_stage: int = 3
     offload_optimizer: bool = False
     offload_param: bool = False

@@ -15,6 +15,9 @@ from .config import Config, ConfigError
 
 # Model families whose decoder layers Liger can patch (liger_kernel.transformers.monkey_patch).
 LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
+TILED_MLP_FROM = 65536
+"""kernels.tiled_mlp auto turns on from this sequence length: below it the MLP intermediates are a
+few GiB and tiling only costs time."""
 
 
 class PlanError(ConfigError):
@@ -182,6 +185,15 @@ def resolve(cfg: Config, hw: Hardware, model_type: str) -> dict[str, Choice]:
         out["liger"] = Choice(True, "set in params")
     else:
         out["liger"] = Choice(False, "set in params")
+
+    # sequence-tiled MLP
+    tm = cfg.kernels.tiled_mlp
+    if tm == "auto":
+        long = cfg.data.max_seq_length >= TILED_MLP_FROM
+        out["tiled_mlp"] = Choice(long, f"auto: {'on' if long else 'off'} (max_seq_length "
+                                        f"{cfg.data.max_seq_length} {'>=' if long else '<'} {TILED_MLP_FROM})")
+    else:
+        out["tiled_mlp"] = Choice(tm == "on", "set in params")
 
     # activation checkpointing
     m = cfg.checkpointing.mode

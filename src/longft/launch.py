@@ -46,14 +46,17 @@ def command(cfg: Config, device: str, worker_args: list[str], port: int | None =
     return cmd
 
 
-def environment(device: str, base: dict | None = None) -> dict:
-    """The ranks' environment: the accelerator pinned, and a DeepSpeed-parsable arch list."""
+def environment(device: str, base: dict | None = None, expandable_segments: bool = False) -> dict:
+    """The ranks' environment: the accelerator pinned, a DeepSpeed-parsable arch list and (if asked,
+    unless the user set their own) torch's expandable-segments CUDA allocator."""
     env = dict(os.environ if base is None else base)
     env["DS_ACCELERATOR"] = "cuda" if device == "cuda" else "cpu"
     arch = env.get("TORCH_CUDA_ARCH_LIST")
     if arch:
         # DeepSpeed's op builder int()-parses each entry; '9.0a' (set by some CUDA images) breaks it.
         env["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch)
+    if device == "cuda" and expandable_segments:
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # One JIT-build folder per Python environment: two venvs sharing ~/.cache/torch_extensions
     # keep rebuilding each other's DeepSpeed ops (their build files differ), and a build killed
     # half-way leaves a lock that makes every later run wait forever.

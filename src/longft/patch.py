@@ -12,6 +12,7 @@ from collections import Counter
 from types import MethodType
 
 from . import attention
+from .tiled import tile_mlps as tiled_mlps
 
 
 def _replaced_modules(model) -> dict[str, int]:
@@ -45,10 +46,12 @@ def rope_function(model) -> str:
     return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else "n/a"
 
 
-def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default") -> dict:
+def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
+          tiled_mlp: bool = False, tile_tokens: int = 8192) -> dict:
     """Patch `model` in place; return the record of what was actually replaced."""
     if liger:
         apply_liger(model)
+    tiled = tiled_mlps(model, tile_tokens) if tiled_mlp else 0  # after Liger: tiles run Liger's SwiGLU MLP
     if sdpa_backend == "efficient":
         attention.expand_kv_heads()
     model.config.use_cache = False
@@ -64,7 +67,22 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default")
         "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "sdpa_kernels": attention.priority(sdpa_backend) if sdpa_backend != "default" else "default",
         "gqa": "repeat_kv" if sdpa_backend == "efficient" else "enable_gqa",
+        "tiled_mlp_layers": tiled,
     }
+
+
+def offload_checkpoints(model, gpu_layers: int = 0):
+    """For checkpointing cpu_offload: route the decoder layers' checkpoints through pinned host
+    memory (all but the last `gpu_layers`); returns the `offload.CheckpointOffload` to step."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from .offload import CheckpointOffload
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if gpu_layers > len(layers):
+        raise ValueError(f"checkpointing.gpu_layers is {gpu_layers} but the model has "
+                         f"{len(layers)} decoder layers; use at most {len(layers)}")
+    return CheckpointOffload(layers, gpu_layers)
 
 
 def zero3_gather_lm_head(model) -> bool:

@@ -47,7 +47,8 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     precision = choices["precision"].value
     model = meta_model(mc, choices["attention"].value)
     record = patch.apply(model, choices["liger"].value, choices["checkpointing"].value,
-                         choices["sdpa_backend"].value)
+                         choices["sdpa_backend"].value, choices["tiled_mlp"].value,
+                         cfg.kernels.tiled_mlp_tokens)
     n_params = sum(p.numel() for p in model.parameters())
     arch = architecture(mc)
     if cfg.lora.rank > 0:

@@ -17,7 +17,6 @@ from .data.store import PreparedDataset
 from .export import export
 from .model import build_model
 from .monitor import gpu_inventory
-from .offload import offloaded_activations
 from .progress import LayerProgress
 from .runlog import RunLog
 
@@ -52,6 +51,8 @@ def environment(cfg: Config, plan: dict) -> dict:
         "peft": _pkg("peft"), "python": platform.python_version(),
         "precision": r["precision"]["value"], "attention": r["attention"]["value"],
         "checkpointing": r["checkpointing"]["value"], "liger": r["liger"]["value"],
+        "tiled_mlp": r.get("tiled_mlp", {}).get("value", False),
+        "gpu_layers": cfg.checkpointing.gpu_layers,
         "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
         "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
         "micro_batch_size": cfg.train.micro_batch_size,
@@ -91,21 +92,25 @@ def _build(cfg: Config, plan: dict, ds: dict):
         keep = HfDeepSpeedConfig(ds)
     model = build_model(cfg.model, r["attention"]["value"], dtype)
     record = patch.apply(model, r["liger"]["value"], r["checkpointing"]["value"],
-                         r["sdpa_backend"]["value"])
+                         r["sdpa_backend"]["value"], r.get("tiled_mlp", {}).get("value", False),
+                         cfg.kernels.tiled_mlp_tokens)
     if record["replaced_modules"] != plan["patches"]["replaced_modules"]:
         raise TrainingError(f"patched modules differ from the plan: {record['replaced_modules']} vs "
                             f"{plan['patches']['replaced_modules']}; re-run `dvc repro patch`")
     if r["liger"]["value"] and cfg.zero.stage == 3:
         patch.zero3_gather_lm_head(model)
+    offloader = None
+    if r["checkpointing"]["value"] == "cpu_offload":
+        offloader = patch.offload_checkpoints(model, cfg.checkpointing.gpu_layers)
     if cfg.lora.rank > 0:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(
             r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
             target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
-    return model, keep
+    return model, keep, offloader
 
 
-def _step(engine, batches, accum: int, pad_id: int, now, offload: bool) -> dict:
+def _step(engine, batches, accum: int, pad_id: int, now, offloader) -> dict:
     """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer."""
     fwd = bwd = 0.0
     losses, tokens, offloaded = [], 0, 0
@@ -116,9 +121,9 @@ def _step(engine, batches, accum: int, pad_id: int, now, offload: bool) -> dict:
         tokens += real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
         b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
         a = now()
-        with offloaded_activations(offload) as hooks:
-            loss = engine(input_ids=b["input_ids"], labels=b["labels"],
-                          position_ids=b["position_ids"]).loss
+        hooks = offloader.new_step() if offloader else None
+        loss = engine(input_ids=b["input_ids"], labels=b["labels"],
+                      position_ids=b["position_ids"]).loss
         offloaded = max(offloaded, hooks.offloaded_bytes if hooks else 0)
         c = now()
         engine.backward(loss)
@@ -170,7 +175,7 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     batches = _batches(loader, sampler)
     pad_id = int(data.meta["pad_token_id"]) if data.meta.get("pad_token_id") is not None else -1
 
-    model, _keep = _build(cfg, plan, ds)
+    model, _keep, offloader = _build(cfg, plan, ds)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
     cuda = device == "cuda"
@@ -195,12 +200,16 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         return time.perf_counter()
 
     seq = cfg.data.max_seq_length
-    offload = plan["resolved"]["checkpointing"]["value"] == "cpu_offload"
     layers = next((m for n, m in model.named_modules()
                    if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)), [])
     progress = LayerProgress(layers, enabled=rank == 0)
     last_s = None
     bar = tqdm(range(start + 1, cfg.train.iterations + 1), desc="train", unit="step",
+    if cuda:
+        # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
+        # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
+        # the OS nor reuses them (sizes differ). Give them back: GiBs of host RAM with offload_param.
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
                initial=start, total=cfg.train.iterations, disable=rank != 0 or None)
     step = start
     try:
@@ -208,7 +217,7 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         with attention.context(plan["resolved"]["sdpa_backend"]["value"]):
             for step in bar:
                 progress.start_step(last_s)
-                rec = _step(engine, batches, cfg.grad_accum_steps, pad_id, now, offload)
+                rec = _step(engine, batches, cfg.grad_accum_steps, pad_id, now, offloader)
                 progress.end_step()
                 last_s = rec["time_s"]
                 if not math.isfinite(rec["loss"]):

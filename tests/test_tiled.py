@@ -1,0 +1,133 @@
+"""Sequence-tiled MLP (kernels.tiled_mlp): same loss and gradients as the plain MLP, on a bare
+model and through the pipeline under ZeRO-3 (DeepSpeed's CPU accelerator); the plan's auto rule;
+the estimate's saved bytes. The bf16 + Liger parity on CUDA is in tests/test_gpu.py."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from longft import tiled
+from longft.config import from_dict, merge
+from longft.estimate_arch import dims
+from longft.estimate_gpu import layer_activation_bytes
+from longft.estimate_types import Setup
+from longft.model import load_model_config
+from longft.pipeline import REPO, run_all
+
+
+def _model():
+    from transformers import AutoModelForCausalLM
+
+    from longft.config import ModelConfig
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(load_model_config(ModelConfig()), dtype=torch.float32,
+                                         attn_implementation="sdpa")
+    m.config.use_cache = False
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return m
+
+
+def _loss_and_grads(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_tiles_follow_the_token_count():
+    assert tiled.tiles(8192) == 1
+    assert tiled.tiles(8193) == 2
+    assert tiled.tiles(131072) == 16
+    assert tiled.tiles(1000, tile_tokens=128) == 8
+
+
+@pytest.mark.parametrize("tile_tokens", [128, 300])  # 300: the last tile is shorter
+def test_tiled_mlp_gives_the_plain_loss_and_gradients(tile_tokens):
+    ids = torch.randint(1, 300, (2, 512))
+    loss_ref, g_ref = _loss_and_grads(_model(), ids)
+    model = _model()
+    assert tiled.tile_mlps(model, tile_tokens=tile_tokens) == 2
+    calls = []
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+    orig = ulysses_sp.TiledMLP.forward
+
+    def spy(ctx, fn, self, x, shards, params):
+        calls.append(shards)
+        return orig(ctx, fn, self, x, shards, params)
+
+    ulysses_sp.TiledMLP.forward = staticmethod(spy)
+    try:
+        loss, g = _loss_and_grads(model, ids)
+    finally:
+        ulysses_sp.TiledMLP.forward = staticmethod(orig)
+    # 2 layers x (forward + recompute), each over ceil(1024 tokens / tile) tiles
+    assert calls == [tiled.tiles(1024, tile_tokens)] * 4
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_no_tiling_without_grad_or_when_one_tile_is_enough():
+    model = _model()
+    tiled.tile_mlps(model, tile_tokens=128)
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+    orig, calls = ulysses_sp.TiledMLP.apply, []
+    ulysses_sp.TiledMLP.apply = lambda *a: calls.append(a) or orig(*a)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.randint(1, 300, (1, 512)))
+        model(input_ids=torch.randint(1, 300, (1, 100)))
+    finally:
+        ulysses_sp.TiledMLP.apply = orig
+    assert calls == []
+
+
+def _resolve(**kernels):
+    from longft.hardware import Hardware, resolve
+
+    cfg = from_dict(merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+                          {"kernels": kernels, "data": {"max_seq_length": kernels.pop("seq", 4096)}}))
+    cpu = Hardware(device="cpu")
+    return resolve(cfg, cpu, "llama")["tiled_mlp"]
+
+
+def test_auto_turns_tiling_on_for_long_sequences_only():
+    assert _resolve(tiled_mlp="auto", seq=65536).value is True
+    assert _resolve(tiled_mlp="auto", seq=32768).value is False
+    assert _resolve(tiled_mlp="on", seq=1024).value is True
+    assert _resolve(tiled_mlp="off", seq=131072).value is False
+
+
+def test_estimate_drops_the_mlp_intermediates():
+    arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
+    s = Setup(micro_batch=1, seq_len=131072, liger=True, checkpointing="gpu")
+    plain = layer_activation_bytes(arch, s)["saved"]
+    tiled_saved = layer_activation_bytes(arch, Setup(**{**s.__dict__, "tiled_mlp": True}))["saved"]
+    # Liger's SwiGLU saves gate, up and their product: 3 x intermediate 14336 x 2 B per token
+    assert dims(arch)["I"] == 14336
+    assert plain - tiled_saved == 3 * 14336 * 2
+
+
+@pytest.mark.slow
+def test_pipeline_with_tiled_mlp_matches_the_plain_run_under_zero3(tmp_path):
+    def run(work, mode):
+        work.mkdir()
+        params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+                       {"kernels": {"tiled_mlp": mode, "tiled_mlp_tokens": 1000},
+                        "data": {"num_samples": 4},
+                        "train": {"iterations": 3, "warmup_iterations": 1},
+                        "output": {"save_checkpoint": False, "export": False}})
+        (work / "params.yaml").write_text(yaml.safe_dump(params))
+        run_all(work / "params.yaml", work, ("prepare", "patch", "train"))
+        plan = json.loads((work / "artifacts" / "plan.json").read_text())
+        lines = (work / "run" / "rank0.jsonl").read_text().splitlines()
+        return plan, [r["loss"] for r in map(json.loads, lines) if r["type"] == "iter"]
+
+    plan_off, off = run(tmp_path / "off", "off")
+    plan_on, on = run(tmp_path / "on", "on")
+    assert plan_on["patches"]["tiled_mlp_layers"] == 2 and plan_off["patches"]["tiled_mlp_layers"] == 0
+    assert len(on) == len(off) == 3
+    # 4096-token rows in 5 tiles of 1000 tokens (the last one shorter)
+    assert on == pytest.approx(off, rel=1e-4)
