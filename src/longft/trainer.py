@@ -179,6 +179,11 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
     cuda = device == "cuda"
+    if cuda:
+        # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
+        # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
+        # the OS nor reuses them (sizes differ). Give them back: GiBs of host RAM with offload_param.
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
 
     fp = checkpoint.fingerprint(cfg)
     start = 0
@@ -205,11 +210,6 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     progress = LayerProgress(layers, enabled=rank == 0)
     last_s = None
     bar = tqdm(range(start + 1, cfg.train.iterations + 1), desc="train", unit="step",
-    if cuda:
-        # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
-        # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
-        # the OS nor reuses them (sizes differ). Give them back: GiBs of host RAM with offload_param.
-        getattr(torch._C, "_host_emptyCache", lambda: None)()
                initial=start, total=cfg.train.iterations, disable=rank != 0 or None)
     step = start
     try:
