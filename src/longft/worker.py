@@ -14,6 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from .checkpoint import CheckpointError, disk_full_message
 from .config import ConfigError, load
 from .opbuild import diagnose
 from .trainer import TrainingError, train
@@ -40,14 +41,18 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg, plan, ds, Path(a.data), Path(a.run),
               Path(a.checkpoints) if a.checkpoints else None,
               Path(a.export) if a.export else None)
-    except (ConfigError, TrainingError, ValueError) as e:
+    except (ConfigError, TrainingError, CheckpointError, ValueError) as e:
         print(f"longft train: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
         failure = diagnose(e)  # a DeepSpeed op that could not be compiled or loaded?
-        if failure is None:
+        if failure is not None:
+            print(f"longft train: {failure.message()}", file=sys.stderr, flush=True)
+            return 2
+        full = disk_full_message(e, [a.checkpoints, a.export, a.run])  # final checkpoint, export
+        if full is None:
             raise
-        print(f"longft train: {failure.message()}", file=sys.stderr, flush=True)
+        print(f"longft train: {full}", file=sys.stderr, flush=True)
         return 2
     return 0
 
