@@ -34,6 +34,13 @@ def test_cpu_run_leaves_slots_to_launcher():
     assert "--num_gpus" not in cmd
 
 
+def test_several_cpu_workers_are_asked_for():
+    # DeepSpeed's CPU slot count is the number of NUMA nodes: 2 workers must be asked for
+    cmd = command(from_dict({"hardware": {"num_gpus": 2}, "train": {"global_batch_size": 2}}),
+                  "cpu", ARGS)
+    assert cmd[cmd.index("--num_gpus") + 1] == "2"
+
+
 def test_torchrun():
     cmd = command(from_dict({"hardware": {"launcher": "torchrun", "num_gpus": 2},
                              "train": {"global_batch_size": 2}}), "cuda", ARGS)

@@ -39,7 +39,9 @@ def command(cfg: Config, device: str, worker_args: list[str], port: int | None =
     else:
         # Without a hostfile the launcher runs on localhost only.
         cmd += ["--num_nodes", "1"]
-    if device == "cuda" or h.hostfile:
+    if device == "cuda" or h.hostfile or h.num_gpus > 1:
+        # On CPU the launcher's own slot count is the number of NUMA nodes (often 1): several CPU
+        # workers must be asked for, or it starts one and the worker refuses the world size.
         cmd += ["--num_gpus", str(h.num_gpus)]
     cmd += ["--master_port", str(port), "--no_local_rank", "--module", "longft.worker",
             *worker_args]
