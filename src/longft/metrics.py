@@ -14,6 +14,9 @@ Aggregation (warm-up steps, `timed: false`, are left out of every speed number):
   mfu            tokens_per_s x flops_per_token(model_config, seq_len) / (world_size x dense peak
                  FLOPS of gpu_name at the run's precision); null when the GPU is unknown or CPU.
   status         "complete" only when every rank wrote {"type": "end", "status": "complete"}.
+                 Otherwise "incomplete" (not a valid result), with the numbers of the steps done;
+                 end_status says why: "interrupted" (stop_signal SIGINT/SIGTERM: stopped after a
+                 step, checkpoint written, resumable), "failed", or null (killed; no end record).
 """
 
 from __future__ import annotations
@@ -234,8 +237,17 @@ def summarize(run_dir: Path, plan: dict) -> tuple[dict, dict, list[dict]]:
                      for rl in ranks.values() for x in rl.iters.values())
     all_seq = sum(r["seq_tokens"] for r in rows)
 
+    ends = [r.end for r in ranks.values() if r.end is not None]
+    # Why it is incomplete: "interrupted" (SIGINT/SIGTERM, checkpoint written), "failed", or null
+    # (no end record: killed, or still running).
+    end_status = "complete" if complete else next(
+        (e.get("status") for s in ("interrupted", "failed") for e in ends if e.get("status") == s),
+        None)
     train = {
         "status": "complete" if complete else "incomplete",
+        "end_status": end_status,
+        "stop_signal": next((e.get("signal") for e in ends if e.get("status") == "interrupted"),
+                            None),
         "steps": len(rows),
         "timed_steps": len(timed),
         "tokens_per_s": _r(tokens_per_s, 2),

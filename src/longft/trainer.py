@@ -11,7 +11,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from . import attention, checkpoint, patch
+from . import attention, checkpoint, patch, stop
 from .config import Config
 from .data.store import PreparedDataset
 from .export import export
@@ -140,8 +140,36 @@ def _step(engine, batches, accum: int, pad_id: int, now, offloader) -> dict:
                 skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded)
 
 
+def _stop(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved: bool,
+          signum: int, log: RunLog, rank: int):
+    """Every rank, after `step`, on a SIGINT/SIGTERM to any rank: checkpoint (unless this step's
+    periodic one was just written), "end" record "interrupted", a message on rank 0, exit 128+sig."""
+    import torch.distributed as dist
+
+    where = None
+    if ckpt_dir is not None:
+        if not saved:
+            checkpoint.save(engine, ckpt_dir, step, fp, cfg.output.keep_last,
+                            {"rng": checkpoint.rng_state(), "step": step})
+        where = ckpt_dir / f"step-{step}"
+    log.write("end", status="interrupted", steps=step, signal=stop.name(signum),
+              checkpoint=str(where) if where else None)
+    log.close()
+    if rank == 0:
+        then = ("run `dvc repro` (or the same command) again to resume" if where and cfg.output.resume
+                else "output.resume is false: the next run starts over" if where
+                else "checkpoints are off (output.checkpoint_every, output.save_checkpoint): the "
+                     "next run starts over")
+        print(f"longft: stopped by {stop.name(signum)} after step {step}; checkpoint at "
+              f"{where or '-'}; {then}", flush=True)
+    dist.barrier()  # every rank has written everything before any exits (launchers kill the rest)
+    raise stop.Stopped(signum, step)
+
+
 def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
-          ckpt_dir: Path | None, export_dir: Path | None = None) -> None:
+          ckpt_dir: Path | None, export_dir: Path | None = None,
+          stopper: stop.StopRequest | None = None) -> None:
+    """`stopper` (worker.py): SIGINT/SIGTERM stop the run after the current step, see stop.py."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -235,13 +263,20 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                         print(f"step {step}/{cfg.train.iterations} loss {rec['loss']:.4f} "
                               f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
                 every = cfg.output.checkpoint_every
-                if ckpt_dir is not None and every and step % every == 0 and step < cfg.train.iterations:
+                saved = bool(ckpt_dir is not None and every and step % every == 0
+                             and step < cfg.train.iterations)
+                if saved:
                     checkpoint.save(engine, ckpt_dir, step, fp, cfg.output.keep_last,
                                     {"rng": checkpoint.rng_state(), "step": step})
+                if stopper is not None and (sig := stopper.agreed(engine.device)):
+                    bar.close()
+                    _stop(engine, cfg, ckpt_dir, step, fp, saved, sig, log, rank)
         if ckpt_dir is not None and cfg.output.save_checkpoint:
             engine.save_checkpoint(str(ckpt_dir), tag="final")
         if export_dir is not None:
             export(engine, cfg, export_dir, step)
+    except stop.Stopped:
+        raise
     except torch.OutOfMemoryError as e:
         log.write("end", status="failed", steps=step - 1, error=f"CUDA out of memory: {e}")
         log.close()

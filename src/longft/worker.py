@@ -17,10 +17,17 @@ from pathlib import Path
 from .checkpoint import CheckpointError, disk_full_message
 from .config import ConfigError, load
 from .opbuild import diagnose
+from .stop import StopRequest, Stopped
 from .trainer import TrainingError, train
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGINT/SIGTERM: finish the step, checkpoint, exit 130/143 (stop.py); a second one force-quits.
+    with StopRequest() as stopper:
+        return _main(argv, stopper)
+
+
+def _main(argv: list[str] | None, stopper: StopRequest) -> int:
     ap = argparse.ArgumentParser(prog="longft.worker")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--plan", default="artifacts/plan.json")
@@ -40,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         ds = json.loads(Path(a.ds_config).read_text())
         train(cfg, plan, ds, Path(a.data), Path(a.run),
               Path(a.checkpoints) if a.checkpoints else None,
-              Path(a.export) if a.export else None)
+              Path(a.export) if a.export else None, stopper)
+    except Stopped as e:
+        return e.exit_code  # 130 (SIGINT) / 143 (SIGTERM); rank 0 said where the checkpoint is
     except (ConfigError, TrainingError, CheckpointError, ValueError) as e:
         print(f"longft train: {e}", file=sys.stderr, flush=True)
         return 2
