@@ -3,11 +3,15 @@ host memory of the whole process tree.
 
     python stages/train.py [--params params.yaml] [--plan artifacts/plan.json] \
         [--ds-config artifacts/ds_config.json] [--data data/prepared] [--run runs/train] \
-        [--checkpoints checkpoints] [--export export]
+        [--checkpoints checkpoints] [--export export] [--metrics metrics]
 
 Writes runs/train/rank{r}.jsonl (per-step measurements), runs/train/memory.csv and
 runs/train/monitor.json (host/GPU memory timeline and peaks), checkpoints/ when
 output.save_checkpoint is true, and export/ (a Hugging Face checkpoint) when output.export is true.
+
+Ctrl-C / SIGTERM: the ranks finish the current step, write checkpoints/step-<N> and exit; the stage
+exits 130 (SIGINT) or 143 (SIGTERM). After a stopped or failed run, --metrics DIR gets the metrics
+stage's outputs marked incomplete (DVC does not run the metrics stage after a failed stage).
 """
 
 import argparse
@@ -22,6 +26,27 @@ from longft.launch import LaunchError, command, environment, free_port, run
 from longft.preflight import host_memory
 
 
+def partial_metrics(run_dir: Path, plan_path: Path, out: Path) -> None:
+    """The metrics stage's outputs, marked incomplete, from what the ranks of a stopped or failed
+    run wrote."""
+    from longft.metrics import summarize, write_outputs
+
+    if not any(run_dir.glob("rank*.jsonl")):
+        return
+    try:
+        plan = json.loads(plan_path.read_text())
+    except (OSError, ValueError):
+        plan = {}
+    try:
+        train, env, rows = summarize(run_dir, plan)
+        write_outputs(out, train, env, rows, run_dir)
+    except Exception as e:  # noqa: BLE001 - the run's own exit status matters more
+        print(f"train: note: no partial metrics ({type(e).__name__}: {e})", file=sys.stderr)
+        return
+    print(f"train: partial metrics in {out}/: status {train['status']} ({train['end_status']}), "
+          f"{train['steps']} steps", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default="params.yaml")
@@ -31,6 +56,8 @@ def main() -> int:
     ap.add_argument("--run", default="runs/train")
     ap.add_argument("--checkpoints", default="checkpoints")
     ap.add_argument("--export", default="export")
+    ap.add_argument("--metrics", default=None,
+                    help="after a stopped or failed run: partial metrics (status incomplete) here")
     a = ap.parse_args()
     try:
         cfg = load(a.params)
@@ -74,7 +101,10 @@ def main() -> int:
     Path(a.export).mkdir(parents=True, exist_ok=True)
     print("train:", " ".join(cmd), flush=True)
     env = environment(device, expandable_segments=cfg.hardware.expandable_segments)
-    return run(cmd, env, run_dir, port if device == "cpu" else None)
+    code = run(cmd, env, run_dir, port if device == "cpu" else None)
+    if code and a.metrics:
+        partial_metrics(run_dir, Path(a.plan), Path(a.metrics))
+    return code
 
 
 if __name__ == "__main__":

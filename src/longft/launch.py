@@ -1,7 +1,9 @@
 """Start the training ranks through DeepSpeed's own launcher (or torchrun), never a home-made one.
 
 `command()` is a pure function of the config (tested on CPU); `run()` starts it with a host-memory
-sampler watching the whole process tree (launcher and every rank).
+sampler watching the whole process tree (launcher and every rank). The launcher runs in a session of
+its own; `run()` passes SIGINT/SIGTERM on to the ranks (a graceful stop, stop.py) and a guard process
+kills the launcher's group if this process dies first.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from .atomic import write_json
 from .config import Config
+from .stop import Relay, exit_code
 
 
 class LaunchError(RuntimeError):
@@ -88,13 +92,50 @@ def run(cmd: list[str], env: dict, run_dir: Path, port: int | None = None) -> in
               file=sys.stderr)
     sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv")
     sampler.start()
+    follow_parent()
+    relay = None
     try:
-        proc = subprocess.run(cmd, env=env)
+        # A session of its own: a terminal's Ctrl-C reaches the ranks once, through the Relay, and
+        # never DeepSpeed's launch.py (which would SIGKILL them 30 s later). See stop.py.
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        guard, pipe = _guard(proc.pid)
+        with Relay(proc) as relay:
+            code = proc.wait()
+        os.write(pipe, b"done")  # the launcher ended by itself: the guard leaves its group alone
+        os.close(pipe)
+        guard.wait()
     finally:
         write_json(run_dir / "monitor.json", sampler.stop())
         if port is not None:
             drop_shm_buffers(port)
-    return proc.returncode
+    if relay is not None and relay.signum and code != 0:
+        return exit_code(relay.signum)  # 130 / 143 whatever the launcher makes of the ranks' exit
+    return code
+
+
+def _guard(pgid: int) -> tuple[subprocess.Popen, int]:
+    """Start a watcher, outside this process group, that SIGKILLs process group `pgid` when this
+    process dies without saying "done" first (even by SIGKILL): `kill -9 -<pgid of the stage>`
+    still takes the launcher and every rank with it. Returns it and the pipe's write end."""
+    r, w = os.pipe()
+    code = ("import os,sys\nif not sys.stdin.buffer.read():\n try: os.killpg(%d, 9)\n"
+            " except OSError: pass\n" % pgid)
+    guard = subprocess.Popen([sys.executable, "-S", "-c", code], stdin=r, start_new_session=True)
+    os.close(r)
+    return guard, w
+
+
+def follow_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: get `sig` when the parent process dies (e.g. `kill` of `dvc repro`, which does not
+    pass SIGTERM on to its stage), so the ranks stop gracefully instead of running on orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port(preferred: int) -> int:

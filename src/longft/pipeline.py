@@ -6,8 +6,11 @@ tests. Each stage runs as its own process, exactly the command dvc.yaml gives it
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TextIO
@@ -29,15 +32,35 @@ def stage_commands(params: Path, work: Path) -> dict[str, list[str]]:
         "train": [*s("train"), "--params", str(params), "--plan", str(work / "artifacts/plan.json"),
                   "--ds-config", str(work / "artifacts/ds_config.json"), "--data", str(work / "data"),
                   "--run", str(work / "run"), "--checkpoints", str(work / "checkpoints"),
-                  "--export", str(work / "export")],
+                  "--export", str(work / "export"), "--metrics", str(work / "metrics")],
         "metrics": [*s("metrics"), "--run", str(work / "run"), "--plan",
                     str(work / "artifacts/plan.json"), "--out", str(work / "metrics")],
     }
 
 
+@contextlib.contextmanager
+def _signals_to(proc: subprocess.Popen):
+    """While a stage runs, SIGINT and SIGTERM go on to it, and the stage decides: train finishes
+    the step, checkpoints and exits 130/143 (stop.py). (A terminal's Ctrl-C reaches the stage
+    itself too; the train stage counts the two as one.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    forward = lambda signum, frame: proc.send_signal(signum)  # noqa: E731 (no-op once it ended)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def run_stage(name: str, cmd: list[str], log: TextIO | None = None, echo: bool = False) -> str:
     t = time.time()
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with _signals_to(p):
+        out, _ = p.communicate()
+    p = subprocess.CompletedProcess(cmd, p.returncode, out)
     if log is not None:
         log.write(p.stdout)
         log.flush()
