@@ -166,6 +166,11 @@ class OutputConfig:
     """Write a DeepSpeed checkpoint at the end of training (checkpoints/)."""
     export: bool = False
     """Write the finetuned model as a Hugging Face checkpoint (export/, safetensors) at the end."""
+    export_lora: Literal["adapter", "merged"] = "adapter"
+    """With LoRA (lora.rank > 0): adapter = export/ holds the peft adapter (load it on the base
+    model with PeftModel.from_pretrained); merged = export/ holds the full model with the LoRA
+    deltas merged into the base weights (W + alpha/r * B @ A, in the weights' dtype), which
+    AutoModelForCausalLM.from_pretrained loads without peft, and export/adapter/ the adapter."""
     checkpoint_every: int = 0
     """Also write a resumable checkpoint every N optimizer steps (0 = none)."""
     keep_last: int = 2
