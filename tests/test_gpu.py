@@ -168,18 +168,14 @@ def test_cpu_offload_checkpoints_same_grads_and_frees_what_it_moves(gpu_layers):
         torch.cuda.synchronize()
         torch.empty(1, device="cuda")  # let the allocator retire blocks freed on the side stream
         held = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
         loss.backward()
-        torch.cuda.synchronize()
-        gap = torch.cuda.max_memory_reserved() - torch.cuda.max_memory_allocated()
         grads = {n: p.grad.cpu() for n, p in model.named_parameters()}  # off the GPU: not counted
         model.zero_grad(set_to_none=True)
-        return loss.detach(), grads, held, hooks, gap
+        return loss.detach(), grads, held, hooks
 
-    loss_ref, g_ref, held_ref, _, _ = run(False)
-    _, g_again, _, _, _ = run(False)
-    torch.cuda.empty_cache()
-    loss, g, held, hooks, gap = run(True)
+    loss_ref, g_ref, held_ref, _ = run(False)
+    _, g_again, _, _ = run(False)
+    loss, g, held, hooks = run(True)
     assert torch.equal(loss, loss_ref)  # the forward is bit-identical
     # Attention and embedding backward accumulate with atomics, so two plain runs already differ
     # slightly (bitwise equality is not on offer); offloading must stay within that run-to-run
@@ -196,8 +192,6 @@ def test_cpu_offload_checkpoints_same_grads_and_frees_what_it_moves(gpu_layers):
     saved = held_ref - held
     assert 0.97 * hooks.offloaded_bytes <= saved <= 1.03 * hooks.offloaded_bytes, (saved, hooks.offloaded_bytes)
     assert hooks.prefetch_hits >= 8 - gpu_layers - 2
-    # prefetched tensors come from the compute stream's pool: no side-stream pool in reserve
-    assert gap <= 2 * layer_input + (64 << 20), gap
 
 
 def test_tiled_mlp_matches_the_plain_mlp_in_bf16_with_liger(monkeypatch):

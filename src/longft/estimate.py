@@ -33,7 +33,7 @@ from .estimate_host import host_items, pinned, pinned_pool
 from .estimate_types import (CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES, CUDA_CONTEXT_BYTES,
                              DS_SUB_GROUP_SIZE, GIB, LAUNCHER_BASE_BYTES, LOSS_CHUNK_MEM,
                              OFFLOAD_MIN_BYTES, PHASES, RANK_BASE_BYTES, RESERVED_FACTOR, Estimate,
-                             Fit, Item, Setup)
+                             Fit, Item, Setup, reserved_factor)
 
 __all__ = [
     # entry points
@@ -67,7 +67,7 @@ def estimate(arch: dict, s: Setup) -> Estimate:
                           s.ranks_per_node * alloc, ("steady",),
                           f"{s.ranks_per_node} rank(s) x the {peak_phase} total of the GPU items"))
         alloc = 0
-    reserved = int(alloc * RESERVED_FACTOR)
+    reserved = int(alloc * reserved_factor(s.expandable_segments))
     return Estimate(setup=s, items=tuple(items), gpu_phases=phases, gpu_peak_phase=peak_phase,
                     gpu_allocated=alloc, gpu_reserved=reserved,
                     gpu_nvml=reserved + CUDA_CONTEXT_BYTES if s.device == "cuda" else 0,
@@ -99,6 +99,7 @@ def setup_from_config(cfg, resolved: dict, world_size: int | None = None) -> Set
         gpu_layers=cfg.checkpointing.gpu_layers,
         tiled_mlp=bool(_value(resolved, "tiled_mlp", False)),
         tile_tokens=cfg.kernels.tiled_mlp_tokens,
+        expandable_segments=cfg.hardware.expandable_segments,
         zero_stage=cfg.zero.stage, offload_optimizer=cfg.zero.offload_optimizer == "cpu",
         offload_param=cfg.zero.offload_param == "cpu", overlap_comm=cfg.zero.overlap_comm,
         grad_accum=max(1, cfg.train.global_batch_size // (micro * ws)),
@@ -147,7 +148,7 @@ def fits(est: Estimate, gpu_mem_gib: float | None, host_mem_gib: float | None,
     if gpu_mem_gib is not None:
         gpu_ok = est.gpu_nvml <= gpu_mem_gib * GIB
         reasons.append(f"GPU: needs {est.gpu_nvml / GIB:.2f} GiB (allocated {est.gpu_allocated / GIB:.2f}"
-                       f" x {RESERVED_FACTOR} + context {CUDA_CONTEXT_BYTES / GIB:.1f}) of "
+                       f" x {reserved_factor(est.setup.expandable_segments)} + context {CUDA_CONTEXT_BYTES / GIB:.1f}) of "
                        f"{gpu_mem_gib:.1f} GiB")
     if vram_limit_gib is not None:
         ok = est.gpu_reserved <= vram_limit_gib * GIB

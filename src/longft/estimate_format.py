@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from .estimate_types import (CUDA_CONTEXT_BYTES, GIB, LAUNCHER_BASE_BYTES, PHASES, RANK_BASE_BYTES,
-                             RESERVED_FACTOR, Estimate, Fit, Setup)
+                             Estimate, Fit, Setup, reserved_factor)
 
 
 def gib(n: float) -> float:
@@ -26,7 +26,7 @@ def to_dict(est: Estimate) -> dict:
                 "peak_phase": est.gpu_peak_phase,
                 "phases_bytes": dict(est.gpu_phases), "items": items("gpu")},
         "host": {"rss_bytes": est.host_rss, "rss_gib": gib(est.host_rss), "items": items("host")},
-        "constants": {"reserved_factor": RESERVED_FACTOR, "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+        "constants": {"reserved_factor": reserved_factor(est.setup.expandable_segments), "cuda_context_bytes": CUDA_CONTEXT_BYTES,
                       "rank_base_bytes": RANK_BASE_BYTES, "launcher_base_bytes": LAUNCHER_BASE_BYTES},
         "per": "gpu: one rank (the largest); host: one node (launcher + its ranks)",
         "doc": "docs/estimator.md",
@@ -62,7 +62,7 @@ def format_table(est: Estimate, fit: Fit | None = None) -> str:
         lines.append(f"  {i.name:46s} {i.bytes / GIB:9.3f}  {'':18s} {i.formula}")
     lines += ["",
               f"peak VRAM (torch max allocated)   {est.gpu_allocated / GIB:9.3f} GiB  [{est.gpu_peak_phase}]",
-              f"VRAM reserved (x {RESERVED_FACTOR})           {est.gpu_reserved / GIB:9.3f} GiB",
+              f"VRAM reserved (x {reserved_factor(est.setup.expandable_segments)})          {est.gpu_reserved / GIB:9.3f} GiB",
               f"VRAM used, NVML (+ context)       {est.gpu_nvml / GIB:9.3f} GiB",
               f"peak DRAM (process-tree RSS)      {est.host_rss / GIB:9.3f} GiB"]
     if fit is not None:

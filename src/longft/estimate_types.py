@@ -19,7 +19,17 @@ CUDA_CONTEXT_BYTES = int(1.9 * GIB)
 """NVML used minus torch reserved on the H200 rows: 1.89 and 1.93 GiB (CUDA context, cuBLAS/cuDNN
 handles, NCCL, loaded kernels, driver reservations). Not part of torch's allocator."""
 RESERVED_FACTOR = 1.2
-"""torch max reserved / max allocated on the H200 rows: 1.17 and 1.24 (caching, fragmentation)."""
+"""torch max reserved / max allocated on the H200 rows with the classic allocator (commits up to
+0d5e951): 1.17 and 1.24 (caching, fragmentation)."""
+RESERVED_FACTOR_EXPANDABLE = 1.06
+"""The same with hardware.expandable_segments (the default since ff6f07f): 1.008, 1.058 and 1.128 on
+the three 1B rows at ff6f07f. Not a bound: with nothing capping it, DeepSpeed's side-stream pools
+can cache far more (2.45 on the uncapped 8B 128K row); under hardware.vram_limit_gib the allocator
+flushes them instead, and the run fits (docs/estimator.md)."""
+
+
+def reserved_factor(expandable_segments: bool) -> float:
+    return RESERVED_FACTOR_EXPANDABLE if expandable_segments else RESERVED_FACTOR
 RANK_BASE_BYTES = int(3.44 * GIB)
 """Host RSS of one rank with nothing offloaded: python, torch, CUDA/cuBLAS/cuDNN/NCCL libraries,
 the CUDA context's host side, DeepSpeed, transformers."""
@@ -56,6 +66,7 @@ class Setup:
     gpu_layers: int = 0              # cpu_offload: last N layers keep their checkpoints on the GPU
     tiled_mlp: bool = False          # MLP over tiles of tile_tokens tokens (tiled.py)
     tile_tokens: int = 8192
+    expandable_segments: bool = True  # hardware.expandable_segments (reserved ~ allocated)
     zero_stage: int = 3
     offload_optimizer: bool = False
     offload_param: bool = False
