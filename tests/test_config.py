@@ -96,3 +96,19 @@ def test_config_is_frozen():
     cfg = from_dict({})
     with pytest.raises(Exception):
         cfg.train.iterations = 5  # type: ignore[misc]
+
+
+def test_long_context_knobs_are_validated():
+    with pytest.raises(ConfigError) as e:
+        from_dict({"checkpointing": {"mode": "gpu", "gpu_layers": 4},
+                   "kernels": {"tiled_mlp": "sometimes", "tiled_mlp_tokens": 0}})
+    text = str(e.value)
+    assert "checkpointing.gpu_layers: 4 only applies to checkpointing.mode cpu_offload" in text
+    assert "kernels.tiled_mlp_tokens: must be >= 1, got 0" in text
+    assert "kernels.tiled_mlp" in text and "sometimes" in text
+    with pytest.raises(ConfigError, match="checkpointing.gpu_layers: must be >= 0, got -1"):
+        from_dict({"checkpointing": {"mode": "cpu_offload", "gpu_layers": -1},
+                   "hardware": {"device": "cuda"}})
+    ok = from_dict({"checkpointing": {"mode": "cpu_offload", "gpu_layers": 20},
+                    "hardware": {"device": "cuda", "expandable_segments": False}})
+    assert ok.checkpointing.gpu_layers == 20 and ok.hardware.expandable_segments is False
