@@ -13,21 +13,8 @@ from longft.config import from_dict, merge
 from longft.estimate_arch import dims
 from longft.estimate_gpu import layer_activation_bytes
 from longft.estimate_types import Setup
-from longft.model import load_model_config
 from longft.pipeline import REPO, run_all
-
-
-def _model():
-    from transformers import AutoModelForCausalLM
-
-    from longft.config import ModelConfig
-
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(load_model_config(ModelConfig()), dtype=torch.float32,
-                                         attn_implementation="sdpa")
-    m.config.use_cache = False
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return m
+from test_offload import tiny_model as _model  # tests/ is on sys.path under pytest
 
 
 def _loss_and_grads(model, ids):
