@@ -215,12 +215,22 @@ KNOWN_MISSES = {
 METRICS = ("vram_max_allocated", "vram_max_reserved", "vram_nvml_used", "dram_rss_tree")
 
 
+def _at_cap(path) -> bool:
+    """A row run under hardware.vram_limit_gib whose allocator filled the cap: its reserved and
+    NVML numbers measure the cap, not the run (test_capped_row_is_predicted_to_fit_its_cap)."""
+    row = json.loads(path.read_text())
+    cap = row["params"]["hardware"].get("vram_limit_gib")
+    return bool(cap) and row["train"]["peak_vram"]["max_reserved_gib"] >= 0.99 * cap
+
+
 def _row_params():
     out = []
     for p in _bench_rows():
         for m in METRICS:
             marks = ([pytest.mark.xfail(strict=True, reason="known miss (issue 6)")]
                      if (p.name, m) in KNOWN_MISSES else [])
+            if m in ("vram_max_reserved", "vram_nvml_used") and _at_cap(p):
+                marks = [pytest.mark.skip(reason="reserved memory sits at the vram_limit_gib cap")]
             out.append(pytest.param(p, m, marks=marks, id=f"{p.stem}:{m}"))
     return out
 
@@ -300,7 +310,9 @@ def test_checkpointing_modes_order_gpu_memory_and_move_host_memory():
     four = estimate(LLAMA_1B, dataclasses.replace(base, checkpointing="cpu_offload", gpu_layers=4))
     assert items(four, "host")["activation checkpoints (pinned)"] == 12 * 128 * MiB
     assert items(four)["activation checkpoints kept on the GPU"] == 4 * 128 * MiB
-    assert four.gpu_allocated - cpu.gpu_allocated == 4 * 128 * MiB
+    # the kept inputs are gone before offloaded ones come back: max(4, 2) checkpoints at a time
+    assert "activation checkpoints: in use + prefetched" not in items(four)
+    assert four.gpu_allocated - cpu.gpu_allocated == (4 - 2) * 128 * MiB
 
 
 def test_liger_off_materialises_fp32_logits():

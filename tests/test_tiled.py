@@ -31,24 +31,21 @@ def test_tiles_follow_the_token_count():
 
 
 @pytest.mark.parametrize("tile_tokens", [128, 300])  # 300: the last tile is shorter
-def test_tiled_mlp_gives_the_plain_loss_and_gradients(tile_tokens):
+def test_tiled_mlp_gives_the_plain_loss_and_gradients(tile_tokens, monkeypatch):
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+
     ids = torch.randint(1, 300, (2, 512))
     loss_ref, g_ref = _loss_and_grads(_model(), ids)
     model = _model()
     assert tiled.tile_mlps(model, tile_tokens=tile_tokens) == 2
-    calls = []
-    from deepspeed.runtime.sequence_parallel import ulysses_sp
-    orig = ulysses_sp.TiledMLP.forward
+    calls, orig = [], ulysses_sp.TiledMLP.forward
 
     def spy(ctx, fn, self, x, shards, params):
         calls.append(shards)
         return orig(ctx, fn, self, x, shards, params)
 
-    ulysses_sp.TiledMLP.forward = staticmethod(spy)
-    try:
-        loss, g = _loss_and_grads(model, ids)
-    finally:
-        ulysses_sp.TiledMLP.forward = staticmethod(orig)
+    monkeypatch.setattr(ulysses_sp.TiledMLP, "forward", staticmethod(spy))
+    loss, g = _loss_and_grads(model, ids)
     # 2 layers x (forward + recompute), each over ceil(1024 tokens / tile) tiles
     assert calls == [tiled.tiles(1024, tile_tokens)] * 4
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
@@ -56,26 +53,55 @@ def test_tiled_mlp_gives_the_plain_loss_and_gradients(tile_tokens):
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_no_tiling_without_grad_or_when_one_tile_is_enough():
+def test_no_tiling_without_grad_or_when_one_tile_is_enough(monkeypatch):
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+
     model = _model()
     tiled.tile_mlps(model, tile_tokens=128)
-    from deepspeed.runtime.sequence_parallel import ulysses_sp
-    orig, calls = ulysses_sp.TiledMLP.apply, []
-    ulysses_sp.TiledMLP.apply = lambda *a: calls.append(a) or orig(*a)
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.randint(1, 300, (1, 512)))
-        model(input_ids=torch.randint(1, 300, (1, 100)))
-    finally:
-        ulysses_sp.TiledMLP.apply = orig
+    calls, orig = [], ulysses_sp.TiledMLP.apply
+    monkeypatch.setattr(ulysses_sp.TiledMLP, "apply", lambda *a: calls.append(a) or orig(*a))
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 300, (1, 512)))
+    model(input_ids=torch.randint(1, 300, (1, 100)))
     assert calls == []
 
 
-def _resolve(**kernels):
+def test_weights_get_gradients_when_the_input_needs_none():
+    """TiledMLP sees the weights only through a list; with an input that does not require grad
+    (frozen embeddings, no checkpointing) the tiled MLP must still give its weights gradients."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Layer(GradientCheckpointingLayer):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+    ref = _model().model.layers[0].mlp
+    mlp = _model().model.layers[0].mlp  # same seed, same weights
+    x = torch.randn(1, 512, mlp.gate_proj.in_features)  # requires_grad False
+    ref(x).sum().backward()
+    assert tiled.tile_mlps(torch.nn.ModuleList([Layer(mlp)]), tile_tokens=128) == 1
+    mlp(x).sum().backward()
+    for (n, p), q in zip(mlp.named_parameters(), ref.parameters()):
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_lora_dropout_turns_auto_off_and_refuses_on():
+    from longft.hardware import PlanError
+
+    assert _resolve(tiled_mlp="auto", seq=131072, lora={"rank": 8, "dropout": 0.1}).value is False
+    assert _resolve(tiled_mlp="auto", seq=131072, lora={"rank": 8, "dropout": 0.0}).value is True
+    with pytest.raises(PlanError, match="kernels.tiled_mlp: on cannot run with lora.dropout 0.1"):
+        _resolve(tiled_mlp="on", seq=131072, lora={"rank": 8, "dropout": 0.1})
+
+
+def _resolve(lora=None, **kernels):
     from longft.hardware import Hardware, resolve
 
     cfg = from_dict(merge(yaml.safe_load((REPO / "params.yaml").read_text()),
-                          {"kernels": kernels, "data": {"max_seq_length": kernels.pop("seq", 4096)}}))
+                          {"kernels": kernels, "data": {"max_seq_length": kernels.pop("seq", 4096)},
+                           "lora": lora or {}}))
     cpu = Hardware(device="cpu")
     return resolve(cfg, cpu, "llama")["tiled_mlp"]
 

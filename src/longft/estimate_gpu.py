@@ -146,11 +146,15 @@ def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
     if s.checkpointing == "gpu":
         gpu("activation checkpoints (GPU)", L * ckpt, FB, f"L {L} x micro x seq x h {h} x {x} B")
     elif s.checkpointing == "cpu_offload":
+        # The kept layers' inputs are freed by their backward before the first offloaded one comes
+        # back, so at most max(gpu_layers, 2) checkpoints are on the GPU at a time.
         if s.gpu_layers:
             gpu("activation checkpoints kept on the GPU", s.gpu_layers * ckpt, FB,
                 f"gpu_layers {s.gpu_layers} x micro x seq x h x {x} B")
-        gpu("activation checkpoints: in use + prefetched", 2 * ckpt, FB,
-            f"2 x micro x seq x h x {x} B (the rest in pinned host memory)")
+        if s.gpu_layers < 2:
+            k = 2 - s.gpu_layers
+            gpu("activation checkpoints: in use + prefetched", k * ckpt, FB,
+                f"{k} x micro x seq x h x {x} B (the rest in pinned host memory)")
     else:
         gpu("layer inputs (no checkpointing)", L * ckpt, FB, f"L {L} x micro x seq x h x {x} B")
     n_saved = L if s.checkpointing == "none" else 1

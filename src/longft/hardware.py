@@ -188,7 +188,17 @@ def resolve(cfg: Config, hw: Hardware, model_type: str) -> dict[str, Choice]:
 
     # sequence-tiled MLP
     tm = cfg.kernels.tiled_mlp
-    if tm == "auto":
+    # TiledMLP recomputes the MLP tile by tile in backward without restoring the RNG state: LoRA
+    # dropout would draw other masks than the forward's, and the gradients would be wrong.
+    dropout = cfg.lora.rank > 0 and cfg.lora.dropout > 0
+    if tm == "on" and dropout:
+        problems.append(f"kernels.tiled_mlp: on cannot run with lora.dropout {cfg.lora.dropout} "
+                        "(its backward recomputes the MLP with new dropout masks); set "
+                        "lora.dropout: 0 or kernels.tiled_mlp: off")
+    if tm == "auto" and dropout:
+        out["tiled_mlp"] = Choice(False, "auto: off (lora.dropout > 0: the tiled backward would "
+                                         "draw new dropout masks)")
+    elif tm == "auto":
         long = cfg.data.max_seq_length >= TILED_MLP_FROM
         out["tiled_mlp"] = Choice(long, f"auto: {'on' if long else 'off'} (max_seq_length "
                                         f"{cfg.data.max_seq_length} {'>=' if long else '<'} {TILED_MLP_FROM})")

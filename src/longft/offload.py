@@ -75,6 +75,8 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             if done is not None:
                 self.stream.wait_event(done)
             gpu.copy_(cpu, non_blocking=self.pin)
+            # if it is dropped unused (an exception mid-backward), its block waits for the copy
+            gpu.record_stream(self.stream)
             ready = torch.cuda.Event()
             ready.record(self.stream)
         return gpu, ready

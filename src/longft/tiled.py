@@ -49,7 +49,12 @@ def tile_mlps(model, tile_tokens: int = TILE_TOKENS) -> int:
             n = tiles(x.numel() // x.shape[-1], tile_tokens)
             if n == 1 or not torch.is_grad_enabled():
                 return _fn(_mlp, x)
-            return TiledMLP.apply(_fn, _mlp, x, n, list(_mlp.parameters()))
+            params = list(_mlp.parameters())
+            if not x.requires_grad and any(p.requires_grad for p in params):
+                # TiledMLP sees the weights only through a list: autograd would not track them
+                # unless the input requires grad (LoRA without checkpointing: frozen embeddings)
+                x = x.detach().requires_grad_()
+            return TiledMLP.apply(_fn, _mlp, x, n, params)
 
         mlp.forward = forward
     return len(mlps)

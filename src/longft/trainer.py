@@ -207,11 +207,6 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
     cuda = device == "cuda"
-    if cuda:
-        # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
-        # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
-        # the OS nor reuses them (sizes differ). Give them back: GiBs of host RAM with offload_param.
-        getattr(torch._C, "_host_emptyCache", lambda: None)()
 
     fp = checkpoint.fingerprint(cfg)
     start = 0
@@ -223,6 +218,12 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                 next(batches)
             if rank == 0:
                 print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
+    if cuda:
+        # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
+        # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
+        # the OS nor reuses them (sizes differ). Give them back: GiBs of host RAM with offload_param.
+        # (After resume, whose loading buffers would stay cached too.)
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
     log = RunLog(run_dir, rank, resume_step=start)
     if rank == 0 and not start:
         log.write("env", **environment(cfg, plan))
@@ -256,6 +257,11 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                            max_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
                            max_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
                 log.write("iter", **rec)
+                if offloader is not None and step == start + 1 and not rec["offloaded_bytes"] \
+                        and rank == 0:
+                    print("longft: warning: checkpointing.mode cpu_offload moved nothing to the host "
+                          "in the first step (layer inputs under 1 MiB, or gradient checkpointing "
+                          "was re-enabled after the patch)", flush=True)
                 if rank == 0:
                     bar.set_postfix(loss=f"{rec['loss']:.4f}",
                                     tok_s=f"{rec['tokens'] * world / rec['time_s']:.0f}")
