@@ -87,6 +87,30 @@ def test_search_and_best_on_a_small_card():
     assert best(search(LLAMA_1B, base, 2, 4, None, max_micro=2)) is None
 
 
+def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
+    """Llama-3.1-8B at 128,000 tokens in 40 GiB of VRAM and 174 GiB of host RAM (BENCHMARKS rows c,
+    d): all 32 checkpoints on the host do not fit the host, all on the GPU do not fit the GPU; the
+    search keeps the most layers on the GPU that still fit it."""
+    import json
+
+    from longft.pipeline import REPO
+    from longft.placement import keep_on_gpu, overlay
+
+    arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
+    base = Setup(micro_batch=1, seq_len=128000, tiled_mlp=True, offload_optimizer=True,
+                 offload_param=True, checkpointing="cpu_offload")
+    assert not fits(estimate(arch, base), 40, 174).host_ok          # gpu_layers 0: host too small
+    kept = keep_on_gpu(arch, base, 40).gpu_layers
+    assert 0 < kept < 32
+    assert fits(estimate(arch, dataclasses.replace(base, gpu_layers=kept)), 40, None).gpu_ok
+    assert not fits(estimate(arch, dataclasses.replace(base, gpu_layers=kept + 1)), 40, None).gpu_ok
+    choice = best(search(arch, base, 40, 174, "NVIDIA H200", max_micro=2))
+    assert choice is not None and choice.setup.checkpointing == "cpu_offload"
+    assert choice.setup.gpu_layers > 0
+    ov = overlay("llama3.1-8b", choice, 1, shipped=True)
+    assert ov["checkpointing"] == {"mode": "cpu_offload", "gpu_layers": choice.setup.gpu_layers}
+
+
 def test_estimate_command_fits_and_does_not_fit(tmp_path, on, capsys):
     on(H200)
     p = write_params(tmp_path)

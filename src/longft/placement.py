@@ -1,5 +1,6 @@
 """Placement search for `longft plan`: every ZeRO-3 offload x checkpointing x micro-batch that
-fits, ranked by a speed heuristic, and the params overlay of the chosen one.
+fits (with cpu_offload, the most decoder layers kept on the GPU that still fit it:
+`checkpointing.gpu_layers`), ranked by a speed heuristic, and the params overlay of the chosen one.
 
     from longft.placement import best, search
     choice = best(search(arch, base_setup, gpu_mem_gib=80, host_mem_gib=256, gpu_name=None))
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from .estimate import GIB, Estimate, Fit, Setup, estimate, fits, param_numels
+from .tiled import tiles
 
 
 # ---------------------------------------------------------------- speed heuristic (plan ranking)
@@ -43,11 +45,14 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     recompute = 1.0 if s.checkpointing == "none" else 4 / 3
     micro = T * flops_per_token(arch, s.seq_len) * recompute / (ACHIEVED_FRACTION * peak)
     micro *= 1 + MICRO_OVERHEAD_TOKENS / T
+    if s.tiled_mlp and tiles(T, s.tile_tokens) > 1:  # the tiled backward's extra MLP forward
+        mlp = 2 * 3 * arch["hidden_size"] * arch["intermediate_size"] * arch["num_hidden_layers"]
+        micro += T * mlp / (ACHIEVED_FRACTION * peak)
     if s.offload_param:      # fetch every layer for forward, recompute and backward
         micro += EXPOSED_FRACTION * 3 * w * P_r / HOST_LINK_BYTES_PER_S
     if s.checkpointing == "cpu_offload":
-        micro += EXPOSED_FRACTION * 2 * arch["num_hidden_layers"] * T * arch["hidden_size"] * w \
-            / HOST_LINK_BYTES_PER_S
+        moved = max(0, arch["num_hidden_layers"] - s.gpu_layers)
+        micro += EXPOSED_FRACTION * 2 * moved * T * arch["hidden_size"] * w / HOST_LINK_BYTES_PER_S
     if s.offload_optimizer:
         opt = P_r / CPU_ADAM_PARAMS_PER_S + w * P_r / HOST_LINK_BYTES_PER_S
     else:
@@ -84,6 +89,22 @@ class Candidate:
         return max(self.est.gpu_nvml / (gpu_mem_gib * GIB), self.est.host_rss / (host_mem_gib * GIB))
 
 
+def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float) -> Setup:
+    """cpu_offload: the most decoder layers whose checkpoints can stay on the GPU (fewer copies,
+    less host RAM) while the GPU still fits; GPU memory grows with each layer kept."""
+    def gpu_ok(g: int) -> bool:
+        return bool(fits(estimate(arch, dataclasses.replace(s, gpu_layers=g)), gpu_mem_gib,
+                         None).gpu_ok)
+
+    lo, hi = 0, arch["num_hidden_layers"]
+    if not gpu_ok(0):
+        return dataclasses.replace(s, gpu_layers=0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if gpu_ok(mid) else (lo, mid - 1)
+    return dataclasses.replace(s, gpu_layers=lo)
+
+
 def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu_name: str | None,
            max_micro: int = 64, modes: tuple[str, ...] = MODES) -> list[Candidate]:
     """Every ZeRO-3 candidate (offload x checkpointing x micro-batch 1..max_micro) that fits, and
@@ -94,7 +115,10 @@ def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu
         for mode in modes:
             for m in range(1, max_micro + 1):
                 s = dataclasses.replace(base, micro_batch=m, checkpointing=mode, zero_stage=3,
-                                        offload_optimizer=opt, offload_param=param, grad_accum=1)
+                                        offload_optimizer=opt, offload_param=param, grad_accum=1,
+                                        gpu_layers=0)
+                if mode == "cpu_offload":
+                    s = keep_on_gpu(arch, s, gpu_mem_gib)
                 e = estimate(arch, s)
                 f = fits(e, gpu_mem_gib, host_mem_gib)
                 if f.ok or m == 1:
@@ -124,7 +148,8 @@ def overlay(model: str, c: Candidate, gpus: int, shipped: bool) -> dict:
         "model": model_sec,
         "data": {"max_seq_length": s.seq_len},
         "hardware": {"num_gpus": gpus},
-        "checkpointing": {"mode": s.checkpointing},
+        "checkpointing": {"mode": s.checkpointing,
+                          **({"gpu_layers": s.gpu_layers} if s.checkpointing == "cpu_offload" else {})},
         "zero": {"stage": 3, "offload_optimizer": "cpu" if opt else "none",
                  "offload_param": "cpu" if param else "none"},
         "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},
