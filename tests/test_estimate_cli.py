@@ -109,6 +109,7 @@ def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
     assert choice.setup.gpu_layers > 0
     ov = overlay("llama3.1-8b", choice, 1, shipped=True)
     assert ov["checkpointing"] == {"mode": "cpu_offload", "gpu_layers": choice.setup.gpu_layers}
+    assert ov["data"] == {"max_seq_length": 128000, "pack": False}
 
 
 def test_estimate_command_fits_and_does_not_fit(tmp_path, on, capsys):

@@ -146,7 +146,8 @@ def overlay(model: str, c: Candidate, gpus: int, shipped: bool) -> dict:
     model_sec = {"name": model, **({"source": "random"} if shipped else {})}
     return {
         "model": model_sec,
-        "data": {"max_seq_length": s.seq_len},
+        # the memory was planned for unpacked rows (packed rows under SDPA need a seq^2 mask)
+        "data": {"max_seq_length": s.seq_len, **({} if s.packed else {"pack": False})},
         "hardware": {"num_gpus": gpus},
         "checkpointing": {"mode": s.checkpointing,
                           **({"gpu_layers": s.gpu_layers} if s.checkpointing == "cpu_offload" else {})},
