@@ -53,6 +53,39 @@ def test_tiled_mlp_gives_the_plain_loss_and_gradients(tile_tokens, monkeypatch):
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_recompute_skips_the_mlp_arithmetic_and_keeps_the_gradients(skip):
+    """Under checkpointing the layer's recompute in backward only regenerates saved tensors; with
+    skip_recompute the tiled MLP does no arithmetic there (its backward recomputes each tile)."""
+    ids = torch.randint(1, 300, (1, 1024))
+    loss_ref, g_ref = _loss_and_grads(_model(), ids)
+    model = _model()
+    calls = []
+    for layer in model.model.layers:
+        real = layer.mlp.forward
+        layer.mlp.forward = lambda x, _real=real: calls.append(x.shape[-2]) or _real(x)
+    tiled.tile_mlps(model, tile_tokens=256, skip_recompute=skip)
+    loss, g = _loss_and_grads(model, ids)
+    # per layer: 4 tiles in the forward, (4 in the recompute unless skipped), 4 in the backward
+    assert len(calls) == 2 * (8 if skip else 12)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_patch_skips_the_recompute_only_where_it_is_safe(monkeypatch):
+    from longft import patch
+
+    seen = []
+    monkeypatch.setattr(patch, "tiled_mlps", lambda m, t, skip_recompute: seen.append(skip_recompute))
+    for mode in ("gpu", "none"):
+        patch.apply(_model(), liger=False, checkpointing=mode, tiled_mlp=True)
+    gemma = _model()
+    gemma.config.model_type = "gemma2"  # a norm after the MLP saves its output
+    patch.apply(gemma, liger=False, checkpointing="gpu", tiled_mlp=True)
+    assert seen == [True, False, False]
+
+
 def test_no_tiling_without_grad_or_when_one_tile_is_enough(monkeypatch):
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 

@@ -12,6 +12,7 @@ from collections import Counter
 from types import MethodType
 
 from . import attention
+from .tiled import SKIP_RECOMPUTE_FAMILIES
 from .tiled import tile_mlps as tiled_mlps
 
 
@@ -51,7 +52,10 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
     """Patch `model` in place; return the record of what was actually replaced."""
     if liger:
         apply_liger(model)
-    tiled = tiled_mlps(model, tile_tokens) if tiled_mlp else 0  # after Liger: tiles run Liger's SwiGLU MLP
+    # after Liger: tiles run Liger's SwiGLU MLP; checkpointing here is always non-reentrant
+    skip = checkpointing in ("gpu", "cpu_offload") and \
+        getattr(model.config, "model_type", None) in SKIP_RECOMPUTE_FAMILIES
+    tiled = tiled_mlps(model, tile_tokens, skip_recompute=skip) if tiled_mlp else 0
     if sdpa_backend == "efficient":
         attention.expand_kv_heads()
     model.config.use_cache = False

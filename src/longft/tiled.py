@@ -7,6 +7,12 @@ Llama-3.1-8B, 10.5 GiB at 128K tokens) never exist for the whole sequence at onc
 
 The MLP module's own forward (Hugging Face's, or Liger's SwiGLU after the Liger patch) is what each
 tile runs, so this composes with Liger, LoRA (peft wraps the projections) and checkpointing.
+
+Under non-reentrant checkpointing the layer's forward runs again in backward only to regenerate its
+saved tensors, and the tiled MLP saves nothing but its input. Where the MLP's output feeds nothing
+that saves tensors (`skip_recompute`: Llama, Mistral, Qwen2/3, whose layers end with the residual
+add), that recompute skips the MLP's arithmetic: the tiled backward recomputes each tile anyway. The
+backward runs on the original forward's graph, so what the skipped call returns is never used.
 """
 
 from __future__ import annotations
@@ -36,8 +42,19 @@ def _run(mlp_forward):
     return lambda _self, x: mlp_forward(x)
 
 
-def tile_mlps(model, tile_tokens: int = TILE_TOKENS) -> int:
-    """Make every decoder layer's MLP tiled; returns how many were patched."""
+SKIP_RECOMPUTE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""Decoder layers whose MLP output only meets the residual add (no norm after it, unlike Gemma 2)."""
+
+
+def _skip(_self, x):
+    import torch
+
+    return torch.empty_like(x)  # an MLP's output has its input's shape
+
+
+def tile_mlps(model, tile_tokens: int = TILE_TOKENS, skip_recompute: bool = False) -> int:
+    """Make every decoder layer's MLP tiled; returns how many were patched. skip_recompute: see the
+    module doc (only with non-reentrant checkpointing and SKIP_RECOMPUTE_FAMILIES)."""
     import torch
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
@@ -54,6 +71,8 @@ def tile_mlps(model, tile_tokens: int = TILE_TOKENS) -> int:
                 # TiledMLP sees the weights only through a list: autograd would not track them
                 # unless the input requires grad (LoRA without checkpointing: frozen embeddings)
                 x = x.detach().requires_grad_()
+            if skip_recompute and torch._C._current_graph_task_id() != -1:
+                return TiledMLP.apply(_skip, _mlp, x, n, params)  # a checkpoint's recompute
             return TiledMLP.apply(_fn, _mlp, x, n, params)
 
         mlp.forward = forward
