@@ -8,13 +8,13 @@ before any model, data or GPU work starts. Code reads the config only through th
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
+
+from .typed_yaml import build_dataclass
 
 
 class ConfigError(ValueError):
@@ -210,93 +210,6 @@ class Config:
 # --------------------------------------------------------------------------- parsing
 
 
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is tuple:
-        return "list"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value, tp, key: str, problems: list[str]):
-    """Check `value` against annotation `tp`; return the converted value or record a problem."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):  # Optional[X]
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key, problems)
-    if origin is Literal:
-        if isinstance(value, bool) and "on" in args:  # YAML 1.1 reads on/off as booleans
-            value = "on" if value else "off"
-        if value in args and type(value) is type(args[args.index(value)]):
-            return value
-        problems.append(f"{key}: {value!r} is not one of {_type_name(tp)}")
-        return None
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            problems.append(f"{key}: expected a list, got {value!r}")
-            return None
-        elem = args[0]
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, elem, f"{key}[{i}]", problems) for i, v in enumerate(value))
-        if len(value) != len(args):
-            problems.append(f"{key}: expected a list of {len(args)} values, got {len(value)}")
-            return None
-        return tuple(_coerce(v, a, f"{key}[{i}]", problems) for i, (v, a) in enumerate(zip(value, args)))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    problems.append(f"{key}: expected {_type_name(tp)}, got {value!r}")
-    return None
-
-
-def _build(cls, raw, prefix: str, problems: list[str]):
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        problems.append(f"{prefix or 'params'}: expected a mapping, got {raw!r}")
-        return cls()
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for k in raw:
-        if k not in names:
-            where = f"{prefix}.{k}" if prefix else k
-            problems.append(f"{where}: unknown key (known: {', '.join(sorted(names))})")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            continue
-        key = f"{prefix}.{f.name}" if prefix else f.name
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[f.name] = _build(tp, raw[f.name], key, problems)
-        else:
-            before = len(problems)
-            v = _coerce(raw[f.name], tp, key, problems)
-            if len(problems) == before:
-                kwargs[f.name] = v
-    return cls(**kwargs)
-
-
 def _check(cfg: Config) -> list[str]:
     """Ranges and combinations. Each message names the key and what to do."""
     p: list[str] = []
@@ -391,7 +304,7 @@ def from_dict(raw: dict, source: str = "params.yaml") -> Config:
     if not isinstance(raw, dict):
         raise ConfigError([f"top level: expected a mapping of sections, got {type(raw).__name__}"],
                           source)
-    cfg = _build(Config, raw, "", problems)
+    cfg = build_dataclass(Config, raw, "", problems)
     # Fields with a bad type fell back to their (valid) defaults, so range and combination
     # checks still run and everything wrong is reported in one go.
     problems += _check(cfg)

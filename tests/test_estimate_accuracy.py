@@ -1,0 +1,91 @@
+"""The memory estimator against the measured H200 rows (bench/results): the accuracy bar of
+docs/estimator.md, one test per row and number, with the known misses listed."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from longft.config import from_dict
+from longft.estimate import compare, estimate_for_plan
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench_rows():
+    """Rows measured with the current engine (bench/results/*.json; bench/results/archive/ holds
+    rows of earlier engines) that ran to the end on an H200."""
+    rows = []
+    for p in sorted((REPO / "bench" / "results").glob("h200*.json")):
+        row = json.loads(p.read_text())
+        if row.get("status") == "ok" and "tiny" not in row["params"]["model"]["name"]:
+            rows.append(p)
+    return rows
+
+
+# Known misses (issue 6), strict: fixing one turns its test red.
+KNOWN_MISSES = {
+    # Uncapped, DeepSpeed's side-stream pools cache 79 GiB reserved for 32 GiB allocated; capped at
+    # 40 GiB (the cap40 row) the allocator flushes them and the run fits at the same speed.
+    ("h200-8b-128k-offload.json", "vram_max_reserved"),
+    ("h200-8b-128k-offload.json", "vram_nvml_used"),
+    # The 16 checkpoints (4 GiB pinned) raise RSS and system-used memory by only ~2 GiB on this
+    # row, while the 8B rows show their 12 GiB in full; not understood yet.
+    ("h200-1b-16k-gpu-cpuckpt.json", "dram_rss_tree"),
+}
+METRICS = ("vram_max_allocated", "vram_max_reserved", "vram_nvml_used", "dram_rss_tree")
+
+
+def _at_cap(path) -> bool:
+    """A row run under hardware.vram_limit_gib whose allocator filled the cap: its reserved and
+    NVML numbers measure the cap, not the run (test_capped_row_is_predicted_to_fit_its_cap)."""
+    row = json.loads(path.read_text())
+    cap = row["params"]["hardware"].get("vram_limit_gib")
+    return bool(cap) and row["train"]["peak_vram"]["max_reserved_gib"] >= 0.99 * cap
+
+
+def _row_params():
+    out = []
+    for p in _bench_rows():
+        for m in METRICS:
+            marks = ([pytest.mark.xfail(strict=True, reason="known miss (issue 6)")]
+                     if (p.name, m) in KNOWN_MISSES else [])
+            if m in ("vram_max_reserved", "vram_nvml_used") and _at_cap(p):
+                marks = [pytest.mark.skip(reason="reserved memory sits at the vram_limit_gib cap")]
+            out.append(pytest.param(p, m, marks=marks, id=f"{p.stem}:{m}"))
+    return out
+
+
+def _predicted_vs_measured(path):
+    from longft.model import load_model_config
+    from longft.plan import architecture
+
+    row = json.loads(path.read_text())
+    cfg = from_dict(row["params"])
+    arch = architecture(load_model_config(cfg.model))
+    pred = estimate_for_plan(cfg, arch, row["plan"]["resolved"], row["train"]["world_size"])
+    return cfg, row, compare(pred, row["train"])
+
+
+@pytest.mark.parametrize("path,metric", _row_params())
+def test_h200_rows_within_10_percent(path, metric):
+    """The accuracy bar: every measured H200 row within 10 % (VRAM allocated, reserved, NVML, RSS)."""
+    _, _, c = _predicted_vs_measured(path)
+    assert c[metric]["measured_gib"] is not None, c
+    assert abs(c[metric]["rel_error"]) < 0.10, c[metric]
+
+
+def test_capped_row_is_predicted_to_fit_its_cap():
+    """Under hardware.vram_limit_gib the measured reserved memory is the cap; what the estimate
+    must get right there is that the run fits: allocated and reserved predictions under the cap."""
+    path = REPO / "bench/results/h200-8b-128k-offload-cap40.json"
+    cfg, row, c = _predicted_vs_measured(path)
+    cap = cfg.hardware.vram_limit_gib
+    assert row["status"] == "ok" and cap == 40
+    assert c["vram_max_allocated"]["predicted_gib"] < cap
+    assert c["vram_max_reserved"]["predicted_gib"] < cap
+    assert c["vram_max_reserved"]["measured_gib"] <= cap
+
+
+def test_bench_rows_are_found():
+    assert len(_bench_rows()) >= 5
