@@ -213,9 +213,11 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     if ckpt_dir is not None and cfg.output.resume:
         start, client = checkpoint.resume(engine, ckpt_dir, fp, lambda m: rank == 0 and print(m))
         if start:
-            checkpoint.set_rng_state(client.get("rng", {}))
             for _ in range(start * cfg.grad_accum_steps):  # the data position follows the step
                 next(batches)
+            # after the skip: each new DataLoader iterator draws from the RNG, and the saved state
+            # already counts the draws of the run that wrote it
+            checkpoint.set_rng_state(client.get("rng", {}))
             if rank == 0:
                 print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
     if cuda:
