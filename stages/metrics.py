@@ -11,11 +11,10 @@ one-line message (no traceback) when the run directory does not exist.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from longft.metrics import summarize, write_outputs
+from longft.metrics import load_plan, write_run_metrics
 
 
 def _fmt(x, unit: str = "", nd: int = 2) -> str:
@@ -33,14 +32,11 @@ def main() -> int:
         print(f"longft metrics: run directory {run_dir} does not exist; run the train stage first "
               "(dvc repro train)", file=sys.stderr)
         return 2
-    try:
-        plan = json.loads(plan_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"longft metrics: note: no usable {plan_path} ({e.__class__.__name__}); "
+    plan, why = load_plan(plan_path)
+    if why:
+        print(f"longft metrics: note: no usable {plan_path} ({why}); "
               "FLOPs per token and MFU will be null", file=sys.stderr)
-        plan = {}
-    train, env, loss_rows = summarize(run_dir, plan)
-    write_outputs(Path(a.out), train, env, loss_rows, run_dir)
+    train = write_run_metrics(run_dir, plan, Path(a.out))
     vram, dram, loss = train["peak_vram"], train["peak_dram"], train["loss"]
     vram_gib = vram["max_reserved_gib"] if vram["max_reserved_gib"] is not None \
         else vram["nvml_used_gib"]

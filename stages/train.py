@@ -29,17 +29,12 @@ from longft.preflight import host_memory
 def partial_metrics(run_dir: Path, plan_path: Path, out: Path) -> None:
     """The metrics stage's outputs, marked incomplete, from what the ranks of a stopped or failed
     run wrote."""
-    from longft.metrics import summarize, write_outputs
+    from longft.metrics import load_plan, write_run_metrics
 
     if not any(run_dir.glob("rank*.jsonl")):
         return
     try:
-        plan = json.loads(plan_path.read_text())
-    except (OSError, ValueError):
-        plan = {}
-    try:
-        train, env, rows = summarize(run_dir, plan)
-        write_outputs(out, train, env, rows, run_dir)
+        train = write_run_metrics(run_dir, load_plan(plan_path)[0], out)
     except Exception as e:  # noqa: BLE001 - the run's own exit status matters more
         print(f"train: note: no partial metrics ({type(e).__name__}: {e})", file=sys.stderr)
         return

@@ -38,15 +38,14 @@ class CheckpointError(RuntimeError):
 
 
 def _disk_full(e: BaseException, where: Path) -> bool:
+    """For a write that failed (_write_failed): ENOSPC/EDQUOT, or a disk that is (nearly) full."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    if isinstance(e, OSError) or _ZIP_WRITE_FAILED.search(str(e)):
-        try:
-            du = shutil.disk_usage(where)
-        except OSError:
-            return False
-        return du.free <= max(64 * 2**20, du.total // 1000)
-    return False
+    try:
+        du = shutil.disk_usage(where)
+    except OSError:
+        return False
+    return du.free <= max(64 * 2**20, du.total // 1000)
 
 
 def _write_failed(e: BaseException) -> bool:
@@ -144,7 +143,7 @@ def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_stat
         final = ckpt_dir / f"step-{step}"
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in sorted(complete_steps(ckpt_dir, fp), reverse=True)[keep_last:]:
+        for old in complete_steps(ckpt_dir, fp)[keep_last:]:  # newest first
             shutil.rmtree(ckpt_dir / f"step-{old}", ignore_errors=True)
     dist.barrier()
 

@@ -25,25 +25,21 @@ and re-exports the names of the pieces it is built from:
 
 from __future__ import annotations
 
-from .estimate_arch import (LINEARS, layer_params, numbers, param_numels, sub_groups, trainable_numels,
-                            zero_knobs)
+from .estimate_arch import numbers, param_numels, sub_groups, zero_knobs
 from .estimate_format import describe, format_table, gib, to_dict
 from .estimate_gpu import gpu_activation_items, gpu_state_items, layer_activation_bytes, reuse_layers
 from .estimate_host import host_items, pinned, pinned_pool
-from .estimate_types import (CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES, CUDA_CONTEXT_BYTES,
-                             DS_SUB_GROUP_SIZE, GIB, LAUNCHER_BASE_BYTES, LOSS_CHUNK_MEM,
-                             OFFLOAD_MIN_BYTES, PHASES, RANK_BASE_BYTES, RESERVED_FACTOR, Estimate,
-                             Fit, Item, Setup, reserved_factor)
+from .estimate_types import (CUDA_CONTEXT_BYTES, GIB, LAUNCHER_BASE_BYTES, PHASES, RANK_BASE_BYTES,
+                             Estimate, Fit, Item, Setup, reserved_factor)
 
 __all__ = [
     # entry points
     "estimate", "setup_from_config", "estimate_for_plan", "compare", "fits",
     # estimate_types
-    "GIB", "PHASES", "CUDA_CONTEXT_BYTES", "RESERVED_FACTOR", "RANK_BASE_BYTES",
-    "LAUNCHER_BASE_BYTES", "CPU_RANK_BASE_BYTES", "CPU_LAUNCHER_BASE_BYTES", "DS_SUB_GROUP_SIZE",
-    "OFFLOAD_MIN_BYTES", "LOSS_CHUNK_MEM", "Setup", "Item", "Estimate", "Fit",
+    "GIB", "PHASES", "CUDA_CONTEXT_BYTES", "RANK_BASE_BYTES", "LAUNCHER_BASE_BYTES",
+    "Setup", "Item", "Estimate", "Fit",
     # estimate_arch
-    "LINEARS", "layer_params", "param_numels", "trainable_numels", "sub_groups", "zero_knobs",
+    "param_numels", "sub_groups", "zero_knobs",
     # estimate_gpu, estimate_host
     "layer_activation_bytes", "reuse_layers", "pinned", "pinned_pool",
     # estimate_format

@@ -21,9 +21,6 @@ def dims(arch: dict) -> dict:
             "qkv_bias": bool(arch.get("attention_bias")) or arch.get("model_type") == "qwen2"}
 
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def _linear_shapes(a: dict) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each decoder-layer linear."""
     h, I, H, kv, d = a["h"], a["I"], a["H"], a["kv"], a["d"]

@@ -24,18 +24,13 @@ import sys
 from pathlib import Path
 
 from .estimate import GIB, Setup, describe, estimate, fits, format_table, setup_from_config
-from .placement import (ACHIEVED_FRACTION, CPU_ADAM_PARAMS_PER_S, EXPOSED_FRACTION, GPU_ADAM_BYTES_PER_S,
-                        HOST_LINK_BYTES_PER_S, MICRO_OVERHEAD_TOKENS, MODES, OFFLOADS,
-                        UNKNOWN_PEAK_FLOPS, Candidate, best, overlay, search, step_seconds,
-                        tokens_per_second)
+from .placement import MODES, best, overlay, search, tokens_per_second
 
 __all__ = [
     "main", "COMMANDS", "cmd_estimate", "cmd_plan", "cmd_max_context", "SEQ_STEP", "max_context",
     "candidates_for_confirmation",
-    # re-exported from longft.placement (they lived here before)
-    "ACHIEVED_FRACTION", "UNKNOWN_PEAK_FLOPS", "MICRO_OVERHEAD_TOKENS", "HOST_LINK_BYTES_PER_S",
-    "EXPOSED_FRACTION", "CPU_ADAM_PARAMS_PER_S", "GPU_ADAM_BYTES_PER_S", "step_seconds",
-    "tokens_per_second", "OFFLOADS", "MODES", "Candidate", "search", "best", "overlay",
+    # from longft.placement, for the tests
+    "tokens_per_second", "MODES", "search", "best", "overlay",
 ]
 
 SEQ_STEP = 1024
@@ -78,9 +73,8 @@ def _target_hardware(hw, num_gpus: int):
 
 
 def _resolve(cfg, hw, model_type: str) -> tuple[dict, list[str]]:
-    """hardware.resolve's values for cfg on a GPU (see _target_hardware). A checkpointing mode this
-    version refuses to run (cpu_offload) is still estimated; the note says so."""
-    from .hardware import PlanError, resolve
+    """hardware.resolve's values for cfg on a GPU (see _target_hardware)."""
+    from .hardware import resolve
 
     target, note = _target_hardware(hw, cfg.hardware.num_gpus)
     notes = [note] if note else []
@@ -88,30 +82,8 @@ def _resolve(cfg, hw, model_type: str) -> tuple[dict, list[str]]:
     if cfg.hardware.device == "cpu":
         notes.append("hardware.device is cpu: estimated as the same run on a GPU")
         c = dataclasses.replace(c, hardware=dataclasses.replace(c.hardware, device="auto"))
-    try:
-        choices = resolve(c, target, model_type)
-    except PlanError:
-        if c.checkpointing.mode != "cpu_offload":
-            raise
-        c = dataclasses.replace(c, checkpointing=dataclasses.replace(c.checkpointing, mode="gpu"))
-        choices = resolve(c, target, model_type)
-        choices["checkpointing"] = dataclasses.replace(choices["checkpointing"], value="cpu_offload")
-        notes.append("checkpointing cpu_offload is estimated, but this version's patch stage refuses it")
+    choices = resolve(c, target, model_type)
     return {k: ch.value for k, ch in choices.items()}, notes
-
-
-def _cpu_offload_refusal(cfg, hw, model_type: str) -> str | None:
-    """Why the patch stage would refuse checkpointing cpu_offload here, or None if it runs."""
-    from .hardware import PlanError, resolve
-
-    target, _ = _target_hardware(hw, cfg.hardware.num_gpus)
-    c = dataclasses.replace(cfg, checkpointing=dataclasses.replace(cfg.checkpointing, mode="cpu_offload"),
-                            hardware=dataclasses.replace(cfg.hardware, device="auto"))
-    try:
-        resolve(c, target, model_type)
-    except PlanError as e:
-        return "; ".join(p for p in e.problems if "cpu_offload" in p) or None
-    return None
 
 
 def _sizes(a, hw) -> tuple[float | None, float | None]:
@@ -180,35 +152,23 @@ def cmd_plan(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     import yaml
 
-    from .config import ConfigError, from_dict, merge
+    from .config import from_dict, load
     from .hardware import detect
     from .model import shipped_architectures
 
-    base_raw = {}
-    if Path(a.params).is_file():
-        base_raw = yaml.safe_load(Path(a.params).read_text()) or {}
     # an architecture (shipped name or config.json) is a random-init run; anything else keeps the
     # base params' model.source (a pretrained hub id or directory)
     shipped = a.model in shipped_architectures() or Path(a.model).suffix == ".json"
     over = {"model": {"name": a.model, **({"source": "random"} if shipped else {})},
             "data": {"max_seq_length": a.seq}, "hardware": {"num_gpus": a.gpus},
             "train": {"micro_batch_size": 1, "global_batch_size": a.gpus}}
-    try:
-        cfg = from_dict(merge(base_raw, over), a.params)
-    except ConfigError as e:
-        print(f"longft plan: {e}", file=sys.stderr)
-        return 2
+    cfg = load(a.params, over) if Path(a.params).is_file() else from_dict(over, a.params)
     hw = detect()
     arch = _architecture(cfg.model)
     resolved, notes = _resolve(cfg, hw, arch["model_type"])
-    modes = MODES
-    refusal = _cpu_offload_refusal(cfg, hw, arch["model_type"])
-    if refusal:
-        modes = tuple(m for m in MODES if m != "cpu_offload")
-        notes.append(f"checkpointing cpu_offload left out of the search: {refusal}")
     base = setup_from_config(cfg, resolved)
     gpu_name = a.gpu_name or (hw.gpu_name if hw.device == "cuda" else None)
-    cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro, modes)
+    cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro, MODES)
     print(f"longft plan: {a.model}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
           f"host {a.host_mem:g} GiB")
     for n in notes:

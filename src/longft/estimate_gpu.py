@@ -39,9 +39,8 @@ def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
         # TiledMLP saves only its input (the norm output, counted above); its backward holds a
         # [tokens, h] input-grad buffer and one tile's intermediates at a time.
         tokens = s.micro_batch * s.seq_len
-        frac = min(1.0, s.tile_tokens / tokens) if tiles(tokens, s.tile_tokens) > 1 else 1.0
-        if frac < 1.0:
-            mlp_tile = int(frac * (mlp + mlp_bwd + 2 * x * h)) + x * h
+        if tiles(tokens, s.tile_tokens) > 1:
+            mlp_tile = int(s.tile_tokens / tokens * (mlp + mlp_bwd + 2 * x * h)) + x * h
             mlp, mlp_bwd = 0, 0
     v = x * k_saved
     attn_out = x * Hd                                        # kernel output = o_proj input (no copy)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .tiled import TILE_TOKENS
+
 GIB = 2**30
 PHASES = ("loss", "backward", "step")
 """GPU moments compared for the peak: end of the forward (fused loss computed), backward of the
@@ -65,7 +67,7 @@ class Setup:
     checkpointing: str = "gpu"       # none | gpu | cpu_offload
     gpu_layers: int = 0              # cpu_offload: last N layers keep their checkpoints on the GPU
     tiled_mlp: bool = False          # MLP over tiles of tile_tokens tokens (tiled.py)
-    tile_tokens: int = 8192
+    tile_tokens: int = TILE_TOKENS
     expandable_segments: bool = True  # hardware.expandable_segments (reserved ~ allocated)
     zero_stage: int = 3
     offload_optimizer: bool = False
@@ -113,7 +115,7 @@ class Estimate:
     gpu_phases: dict                 # phase -> bytes
     gpu_peak_phase: str
     gpu_allocated: int               # predicts torch.cuda.max_memory_allocated()
-    gpu_reserved: int                # x RESERVED_FACTOR: predicts max_memory_reserved()
+    gpu_reserved: int                # x reserved_factor(): predicts max_memory_reserved()
     gpu_nvml: int                    # + CUDA_CONTEXT_BYTES: predicts NVML device used
     host_rss: int                    # predicts process-tree RSS peak of one node
 

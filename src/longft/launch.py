@@ -93,7 +93,6 @@ def run(cmd: list[str], env: dict, run_dir: Path, port: int | None = None) -> in
     sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv")
     sampler.start()
     follow_parent()
-    relay = None
     try:
         # A session of its own: a terminal's Ctrl-C reaches the ranks once, through the Relay, and
         # never DeepSpeed's launch.py (which would SIGKILL them 30 s later). See stop.py.
@@ -108,7 +107,7 @@ def run(cmd: list[str], env: dict, run_dir: Path, port: int | None = None) -> in
         write_json(run_dir / "monitor.json", sampler.stop())
         if port is not None:
             drop_shm_buffers(port)
-    if relay is not None and relay.signum and code != 0:
+    if relay.signum and code != 0:
         return exit_code(relay.signum)  # 130 / 143 whatever the launcher makes of the ranks' exit
     return code
 

@@ -337,3 +337,18 @@ def write_outputs(metrics_dir: Path, train: dict, env: dict, loss_rows: list[dic
         write_bytes(metrics_dir / name, data)
         paths.append(metrics_dir / name)
     return paths
+
+
+def load_plan(path: Path) -> tuple[dict, str | None]:
+    """artifacts/plan.json (FLOPs per token, the memory prediction); ({}, why) when unusable."""
+    try:
+        return json.loads(Path(path).read_text()), None
+    except (OSError, ValueError) as e:
+        return {}, e.__class__.__name__
+
+
+def write_run_metrics(run_dir: Path, plan: dict, out: Path) -> dict:
+    """Summarize the ranks' logs in run_dir and write the metrics outputs to out; returns train."""
+    train, env, rows = summarize(run_dir, plan)
+    write_outputs(out, train, env, rows, run_dir)
+    return train

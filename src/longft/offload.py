@@ -18,13 +18,14 @@ tensors, for which a copy costs more than it saves.
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 
 import torch
 
+from .estimate_types import OFFLOAD_MIN_BYTES
+
 
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self, min_bytes: int = 1 << 20, pin_memory: bool | None = None):
+    def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES, pin_memory: bool | None = None):
         self.min_bytes = min_bytes
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
@@ -106,17 +107,16 @@ class CheckpointOffload:
     Call `new_step()` before each forward; `hooks` then holds that micro-step's bookkeeping.
     """
 
-    def __init__(self, layers, gpu_layers: int = 0, min_bytes: int = 1 << 20, hooks=None):
+    def __init__(self, layers, gpu_layers: int = 0, min_bytes: int = OFFLOAD_MIN_BYTES, hooks=None):
         layers = [m for m in layers if getattr(m, "gradient_checkpointing", False)]
         if not layers:
             raise ValueError("no decoder layer has gradient checkpointing on: enable it first")
-        self.n_layers, self.gpu_layers, self.min_bytes = len(layers), gpu_layers, min_bytes
         self.hooks: OffloadHooks | None = None
-        self._new_hooks = hooks or (lambda: OffloadHooks(min_bytes=self.min_bytes))
+        self._new_hooks = hooks or (lambda: OffloadHooks(min_bytes=min_bytes))
         for i, layer in enumerate(layers):
             base = layer._gradient_checkpointing_func
             layer._gradient_checkpointing_func = functools.partial(
-                self._checkpoint, base, i < self.n_layers - gpu_layers)
+                self._checkpoint, base, i < len(layers) - gpu_layers)
 
     def new_step(self) -> OffloadHooks:
         self.hooks = self._new_hooks()
@@ -127,14 +127,3 @@ class CheckpointOffload:
             return base(function, *args, **kwargs)
         with self.hooks:  # only the checkpoint's own saved inputs pass through these hooks
             return base(function, *args, **kwargs)
-
-
-@contextmanager
-def offloaded_activations(enabled: bool, min_bytes: int = 1 << 20):
-    """Around forward *and* backward of one micro-step; yields the hooks (or None)."""
-    if not enabled:
-        yield None
-        return
-    hooks = OffloadHooks(min_bytes=min_bytes)
-    with hooks:
-        yield hooks

@@ -12,7 +12,7 @@ from collections import Counter
 from types import MethodType
 
 from . import attention
-from .tiled import SKIP_RECOMPUTE_FAMILIES
+from .tiled import decoder_layers, skips_recompute
 from .tiled import tile_mlps as tiled_mlps
 
 
@@ -53,8 +53,7 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
     if liger:
         apply_liger(model)
     # after Liger: tiles run Liger's SwiGLU MLP; checkpointing here is always non-reentrant
-    skip = checkpointing in ("gpu", "cpu_offload") and \
-        getattr(model.config, "model_type", None) in SKIP_RECOMPUTE_FAMILIES
+    skip = skips_recompute(checkpointing, getattr(model.config, "model_type", None))
     tiled = tiled_mlps(model, tile_tokens, skip_recompute=skip) if tiled_mlp else 0
     if sdpa_backend == "efficient":
         attention.expand_kv_heads()
@@ -78,11 +77,9 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
 def offload_checkpoints(model, gpu_layers: int = 0):
     """For checkpointing cpu_offload: route the decoder layers' checkpoints through pinned host
     memory (all but the last `gpu_layers`); returns the `offload.CheckpointOffload` to step."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     from .offload import CheckpointOffload
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     if gpu_layers > len(layers):
         raise ValueError(f"checkpointing.gpu_layers is {gpu_layers} but the model has "
                          f"{len(layers)} decoder layers; use at most {len(layers)}")

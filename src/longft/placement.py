@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from .estimate import GIB, Estimate, Fit, Setup, estimate, fits, param_numels
-from .tiled import SKIP_RECOMPUTE_FAMILIES, tiles
+from .tiled import skips_recompute, tiles
 
 
 # ---------------------------------------------------------------- speed heuristic (plan ranking)
@@ -45,7 +45,7 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     recompute = 1.0 if s.checkpointing == "none" else 4 / 3
     micro = T * flops_per_token(arch, s.seq_len) * recompute / (ACHIEVED_FRACTION * peak)
     micro *= 1 + MICRO_OVERHEAD_TOKENS / T
-    skipped = s.checkpointing != "none" and arch.get("model_type") in SKIP_RECOMPUTE_FAMILIES
+    skipped = skips_recompute(s.checkpointing, arch.get("model_type"))
     if s.tiled_mlp and tiles(T, s.tile_tokens) > 1 and not skipped:  # one more MLP forward
         mlp = 2 * 3 * arch["hidden_size"] * arch["intermediate_size"] * arch["num_hidden_layers"]
         micro += T * mlp / (ACHIEVED_FRACTION * peak)

@@ -11,6 +11,8 @@ import os
 import time
 from pathlib import Path
 
+from .atomic import write_text
+
 
 class RunLog:
     def __init__(self, run_dir: Path, rank: int, resume_step: int = 0):
@@ -28,9 +30,9 @@ class RunLog:
                 if rec.get("type") == "env" or (rec.get("type") == "iter"
                                                 and rec.get("step", 0) <= resume_step):
                     kept.append(line)
-        self._f = open(self.path, "w", buffering=1)
-        for line in kept:
-            self._f.write(line + "\n")
+        if resume_step > 0:  # cut back atomically: a kill now must not lose the steps kept
+            write_text(self.path, "".join(line + "\n" for line in kept))
+        self._f = open(self.path, "a" if resume_step > 0 else "w", buffering=1)
 
     def write(self, kind: str, **fields) -> None:
         rec = {"type": kind, "rank": self.rank, "t": time.time(), **fields}

@@ -24,26 +24,37 @@ TILE_TOKENS = 8192
 (8192 x intermediate_size x ~5 x 2 B: 1.1 GiB for Llama-3.1-8B) stay small."""
 
 
+SKIP_RECOMPUTE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""Decoder layers whose MLP output only meets the residual add (no norm after it, unlike Gemma 2)."""
+
+
 def tiles(tokens: int, tile_tokens: int = TILE_TOKENS) -> int:
     """Tiles for a micro-batch of `tokens` tokens (a function of the shape only, so every rank,
     which sees the same padded shape, runs the same number of ZeRO-3 gathers)."""
     return max(1, math.ceil(tokens / tile_tokens))
 
 
-def _mlps(model) -> list:
+def decoder_layers(model) -> list:
+    """The model's decoder layers, in order (transformers' GradientCheckpointingLayer instances;
+    the same objects under a peft wrapper)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return [m.mlp for m in model.modules()
-            if isinstance(m, GradientCheckpointingLayer) and hasattr(m, "mlp")]
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def skips_recompute(checkpointing: str, model_type: str | None) -> bool:
+    """Whether a tiled MLP skips its arithmetic in the layer's recompute: with (always
+    non-reentrant) checkpointing, in SKIP_RECOMPUTE_FAMILIES."""
+    return checkpointing in ("gpu", "cpu_offload") and model_type in SKIP_RECOMPUTE_FAMILIES
+
+
+def _mlps(model) -> list:
+    return [m.mlp for m in decoder_layers(model) if hasattr(m, "mlp")]
 
 
 def _run(mlp_forward):
     # TiledMLP calls fn(self, x_shard); the module's original (bound) forward does the work
     return lambda _self, x: mlp_forward(x)
-
-
-SKIP_RECOMPUTE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-"""Decoder layers whose MLP output only meets the residual add (no norm after it, unlike Gemma 2)."""
 
 
 def _skip(_self, x):

@@ -19,6 +19,7 @@ from .model import build_model
 from .monitor import gpu_inventory
 from .progress import LayerProgress
 from .runlog import RunLog
+from .tiled import decoder_layers
 
 
 class TrainingError(RuntimeError):
@@ -51,7 +52,7 @@ def environment(cfg: Config, plan: dict) -> dict:
         "peft": _pkg("peft"), "python": platform.python_version(),
         "precision": r["precision"]["value"], "attention": r["attention"]["value"],
         "checkpointing": r["checkpointing"]["value"], "liger": r["liger"]["value"],
-        "tiled_mlp": r.get("tiled_mlp", {}).get("value", False),
+        "tiled_mlp": r.get("tiled_mlp", {}).get("value", False),  # absent in older plans
         "gpu_layers": cfg.checkpointing.gpu_layers,
         "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
         "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
@@ -140,6 +141,12 @@ def _step(engine, batches, accum: int, pad_id: int, now, offloader) -> dict:
                 skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded)
 
 
+def _save(engine, cfg: Config, ckpt_dir: Path, step: int, fp: str) -> None:
+    """checkpoints/step-<step>, with the RNG state the resumed run restores."""
+    checkpoint.save(engine, ckpt_dir, step, fp, cfg.output.keep_last,
+                    {"rng": checkpoint.rng_state(), "step": step})
+
+
 def _stop(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved: bool,
           signum: int, log: RunLog, rank: int):
     """Every rank, after `step`, on a SIGINT/SIGTERM to any rank: checkpoint (unless this step's
@@ -149,8 +156,7 @@ def _stop(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved:
     where = None
     if ckpt_dir is not None:
         if not saved:
-            checkpoint.save(engine, ckpt_dir, step, fp, cfg.output.keep_last,
-                            {"rng": checkpoint.rng_state(), "step": step})
+            _save(engine, cfg, ckpt_dir, step, fp)
         where = ckpt_dir / f"step-{step}"
     log.write("end", status="interrupted", steps=step, signal=stop.name(signum),
               checkpoint=str(where) if where else None)
@@ -236,9 +242,7 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         return time.perf_counter()
 
     seq = cfg.data.max_seq_length
-    layers = next((m for n, m in model.named_modules()
-                   if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)), [])
-    progress = LayerProgress(layers, enabled=rank == 0)
+    progress = LayerProgress(decoder_layers(model), enabled=rank == 0)
     last_s = None
     bar = tqdm(range(start + 1, cfg.train.iterations + 1), desc="train", unit="step",
                initial=start, total=cfg.train.iterations, disable=rank != 0 or None)
@@ -274,8 +278,7 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                 saved = bool(ckpt_dir is not None and every and step % every == 0
                              and step < cfg.train.iterations)
                 if saved:
-                    checkpoint.save(engine, ckpt_dir, step, fp, cfg.output.keep_last,
-                                    {"rng": checkpoint.rng_state(), "step": step})
+                    _save(engine, cfg, ckpt_dir, step, fp)
                 if stopper is not None and (sig := stopper.agreed(engine.device)):
                     bar.close()
                     _stop(engine, cfg, ckpt_dir, step, fp, saved, sig, log, rank)
