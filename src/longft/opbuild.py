@@ -62,12 +62,9 @@ class OpFailure:
         return "\n".join(lines)
 
 
-def _builder(exc: BaseException):
-    """The outermost OpBuilder instance in the traceback of exc or of an exception it chains."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+def _builder(chain: list[BaseException]):
+    """The outermost OpBuilder instance in the tracebacks of an exception chain (_chain)."""
+    for e in chain:
         tb = e.__traceback__
         while tb is not None:
             f = tb.tb_frame
@@ -76,7 +73,6 @@ def _builder(exc: BaseException):
                 if obj is not None and hasattr(obj, "NAME") and hasattr(obj, "jit_load"):
                     return obj
             tb = tb.tb_next
-        e = e.__cause__ or e.__context__
     return None
 
 
@@ -103,8 +99,8 @@ def _evidence(text: str, limit: int = 3) -> tuple[str, ...]:
 
 def diagnose(exc: BaseException) -> OpFailure | None:
     """An OpFailure when exc comes from DeepSpeed's op builder (JIT build or load), else None."""
-    builder = _builder(exc)
     chain = _chain(exc)
+    builder = _builder(chain)
     names = {type(e).__name__ for e in chain}
     text = "\n".join(str(e) for e in chain)
     m = re.search(r"Error building extension '(\w+)'|Unable to JIT load the (\w+) op", text)

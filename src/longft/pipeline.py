@@ -6,14 +6,13 @@ tests. Each stage runs as its own process, exactly the command dvc.yaml gives it
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TextIO
+
+from .stop import _Handlers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,27 +37,23 @@ def stage_commands(params: Path, work: Path) -> dict[str, list[str]]:
     }
 
 
-@contextlib.contextmanager
-def _signals_to(proc: subprocess.Popen):
+class _SignalsTo(_Handlers):
     """While a stage runs, SIGINT and SIGTERM go on to it, and the stage decides: train finishes
     the step, checkpoints and exits 130/143 (stop.py). (A terminal's Ctrl-C reaches the stage
     itself too; the train stage counts the two as one.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    forward = lambda signum, frame: proc.send_signal(signum)  # noqa: E731 (no-op once it ended)
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+
+    def __init__(self, proc: subprocess.Popen):
+        super().__init__()
+        self.proc = proc
+
+    def _handle(self, signum, frame) -> None:
+        self.proc.send_signal(signum)  # a no-op once it has ended
 
 
 def run_stage(name: str, cmd: list[str], log: TextIO | None = None, echo: bool = False) -> str:
     t = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with _signals_to(p):
+    with _SignalsTo(p):
         out, _ = p.communicate()
     p = subprocess.CompletedProcess(cmd, p.returncode, out)
     if log is not None:

@@ -12,9 +12,9 @@ refused instead, with the numbers and the fixes. `hardware.host_mem_check: false
 from __future__ import annotations
 
 from .config import Config
+from .estimate_types import GIB
 from .launch import LaunchError
 
-GIB = 2**30
 
 
 class HostMemoryError(LaunchError):
