@@ -90,7 +90,7 @@ def test_search_and_best_on_a_small_card():
 def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
     """Llama-3.1-8B at 128,000 tokens in 40 GiB of VRAM and 174 GiB of host RAM (BENCHMARKS rows c,
     d): all 32 checkpoints on the host do not fit the host, all on the GPU do not fit the GPU; the
-    search keeps the most layers on the GPU that still fit it."""
+    search keeps attention outputs and checkpoints on the GPU until one more would not fit it."""
     import json
 
     from longft.pipeline import REPO
@@ -100,15 +100,17 @@ def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
     base = Setup(micro_batch=1, seq_len=128000, tiled_mlp=True, offload_optimizer=True,
                  offload_param=True, checkpointing="cpu_offload")
     assert not fits(estimate(arch, base), 40, 174).host_ok          # gpu_layers 0: host too small
-    kept = keep_on_gpu(arch, base, 40).gpu_layers
-    assert 0 < kept < 32
-    assert fits(estimate(arch, dataclasses.replace(base, gpu_layers=kept)), 40, None).gpu_ok
-    assert not fits(estimate(arch, dataclasses.replace(base, gpu_layers=kept + 1)), 40, None).gpu_ok
+    kept = keep_on_gpu(arch, base, 40, 174)
+    assert 0 < kept.gpu_layers < 32 and kept.keep_attention > 0
+    assert fits(estimate(arch, kept), 40, 174).ok
+    for more in ({"gpu_layers": kept.gpu_layers + 1}, {"keep_attention": kept.keep_attention + 1}):
+        assert not fits(estimate(arch, dataclasses.replace(kept, **more)), 40, None).gpu_ok, more
     choice = best(search(arch, base, 40, 174, "NVIDIA H200", max_micro=2))
     assert choice is not None and choice.setup.checkpointing == "cpu_offload"
     assert choice.setup.gpu_layers > 0
     ov = overlay("llama3.1-8b", choice, 1, shipped=True)
-    assert ov["checkpointing"] == {"mode": "cpu_offload", "gpu_layers": choice.setup.gpu_layers}
+    assert ov["checkpointing"] == {"mode": "cpu_offload", "gpu_layers": choice.setup.gpu_layers,
+                                   "keep_attention": choice.setup.keep_attention}
     assert ov["data"] == {"max_seq_length": 128000, "pack": False}
 
 

@@ -220,3 +220,53 @@ def test_tiled_mlp_matches_the_plain_mlp_in_bf16_with_liger(monkeypatch):
         noise = (g_again[n].float() - ref_g).norm()
         err = (g[n].float() - ref_g).norm()
         assert err <= max(2 * noise, 2e-2 * ref_g.norm()), (n, float(err), float(noise))
+
+
+def test_keep_attention_skips_the_cudnn_forward_in_backward_with_the_same_grads():
+    """checkpointing.keep_attention on the H200 path: cuDNN attention in bf16, 4 of 8 layers keep
+    their attention output; their recompute runs no attention kernel, the gradients stay within
+    run-to-run noise, and the memory held until backward grows by exactly the kept outputs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from longft import attention
+    from longft.keep_attention import keep_outputs
+    from longft.tiled import decoder_layers
+
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is cudnn
+            return func(*args, **(kwargs or {}))
+
+    model = _mid_model()
+    ids = torch.randint(1, 380, (1, 8192), device="cuda")
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with attention.context("cudnn"):
+            loss = model(input_ids=ids, labels=ids).loss
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated()
+            Count.n = 0
+            with Count():
+                loss.backward()
+        return loss.detach(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}, held, Count.n
+
+    loss_ref, g_ref, held_ref, n_ref = run()
+    _, g_again, _, _ = run()
+    assert n_ref == 8  # every layer's recompute ran cuDNN's forward
+    assert keep_outputs(decoder_layers(model), 4) == 4
+    loss, g, held, n = run()
+    assert n == 4
+    assert torch.equal(loss, loss_ref)
+    for name in g_ref:
+        noise = (g_again[name] - g_ref[name]).norm()
+        err = (g[name] - g_ref[name]).norm()
+        assert err <= max(2 * noise, 1e-2 * g_ref[name].norm()), (name, float(err), float(noise))
+    # 4 layers x 8192 tokens x 8 heads x (128 x 2 B output + 4 B log-sum-exp), plus cuDNN's tiny
+    # seed/offset tensors
+    kept = 4 * 8192 * 8 * (128 * 2 + 4)
+    assert kept <= held - held_ref <= kept + 4 * 64 * 1024, (held - held_ref, kept)

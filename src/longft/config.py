@@ -88,6 +88,10 @@ class CheckpointingConfig:
     gpu_layers: int = 0
     """cpu_offload only: the last N decoder layers keep their checkpoints on the GPU (each costs
     micro x seq x hidden x 2 B of VRAM and saves as much host RAM and two copies per step)."""
+    keep_attention: int = 0
+    """gpu / cpu_offload: the last N decoder layers keep their attention output from the forward,
+    so the backward's recompute skips the attention forward (a quarter of the attention time; each
+    layer costs micro x seq x heads x head_dim x 2 B of VRAM until its backward)."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +275,12 @@ def _check(cfg: Config) -> list[str]:
     elif g > 0 and cfg.checkpointing.mode != "cpu_offload":
         p.append(f"checkpointing.gpu_layers: {g} only applies to checkpointing.mode cpu_offload "
                  f"(mode is {cfg.checkpointing.mode}); set it to 0 or use cpu_offload")
+    k = cfg.checkpointing.keep_attention
+    if k < 0:
+        p.append(f"checkpointing.keep_attention: must be >= 0, got {k}")
+    elif k > 0 and cfg.checkpointing.mode == "none":
+        p.append(f"checkpointing.keep_attention: {k} needs checkpointing (mode auto, gpu or "
+                 "cpu_offload): with mode none nothing is recomputed; set it to 0")
     if cfg.output.checkpoint_every < 0:
         p.append(f"output.checkpoint_every: must be >= 0 (0 = off), got {cfg.output.checkpoint_every}")
     if cfg.output.keep_last < 1:

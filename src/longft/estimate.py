@@ -93,6 +93,7 @@ def setup_from_config(cfg, resolved: dict, world_size: int | None = None) -> Set
         liger=bool(_value(resolved, "liger", False)),
         checkpointing=_value(resolved, "checkpointing", "gpu"),
         gpu_layers=cfg.checkpointing.gpu_layers,
+        keep_attention=cfg.checkpointing.keep_attention,
         tiled_mlp=bool(_value(resolved, "tiled_mlp", False)),
         tile_tokens=cfg.kernels.tiled_mlp_tokens,
         expandable_segments=cfg.hardware.expandable_segments,

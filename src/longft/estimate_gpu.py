@@ -156,6 +156,11 @@ def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
                 f"{k} x micro x seq x h x {x} B (the rest in pinned host memory)")
     else:
         gpu("layer inputs (no checkpointing)", L * ckpt, FB, f"L {L} x micro x seq x h x {x} B")
+    if s.keep_attention and s.checkpointing != "none":
+        H = n.a["H"]
+        k = min(s.keep_attention, L)
+        gpu("attention outputs kept (keep_attention)", k * T * H * (d * x + 4), FB,
+            f"keep_attention {k} x micro x seq x heads {H} x (head_dim x {x} B + 4 B log-sum-exp)")
     n_saved = L if s.checkpointing == "none" else 1
     gpu("saved tensors of " + ("all layers" if n_saved > 1 else "the recomputed layer"),
         n_saved * T * act["saved"], FB if n_saved > 1 else ("backward",),

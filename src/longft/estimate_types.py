@@ -66,6 +66,7 @@ class Setup:
     liger: bool = True
     checkpointing: str = "gpu"       # none | gpu | cpu_offload
     gpu_layers: int = 0              # cpu_offload: last N layers keep their checkpoints on the GPU
+    keep_attention: int = 0          # last N layers keep their attention output (no recompute)
     tiled_mlp: bool = False          # MLP over tiles of tile_tokens tokens (tiled.py)
     tile_tokens: int = TILE_TOKENS
     expandable_segments: bool = True  # hardware.expandable_segments (reserved ~ allocated)

@@ -48,7 +48,7 @@ def rope_function(model) -> str:
 
 
 def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
-          tiled_mlp: bool = False, tile_tokens: int = 8192) -> dict:
+          tiled_mlp: bool = False, tile_tokens: int = 8192, keep_attention: int = 0) -> dict:
     """Patch `model` in place; return the record of what was actually replaced."""
     if liger:
         apply_liger(model)
@@ -61,6 +61,7 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
     if checkpointing in ("gpu", "cpu_offload"):
         # Non-reentrant: works with transformers 5 layers that return tensors, and with ZeRO-3.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kept = _keep_attention(model, checkpointing, keep_attention)
     return {
         "liger": liger,
         "replaced_modules": _replaced_modules(model),
@@ -71,7 +72,28 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
         "sdpa_kernels": attention.priority(sdpa_backend) if sdpa_backend != "default" else "default",
         "gqa": "repeat_kv" if sdpa_backend == "efficient" else "enable_gqa",
         "tiled_mlp_layers": tiled,
+        "attention_kept_layers": kept,
     }
+
+
+def _keep_attention(model, checkpointing: str, n: int) -> int:
+    """checkpointing.keep_attention (keep_attention.py), with its preconditions checked."""
+    if n <= 0:
+        return 0
+    layers = decoder_layers(model)
+    impl = getattr(model.config, "_attn_implementation", None)
+    if checkpointing not in ("gpu", "cpu_offload"):
+        raise ValueError(f"checkpointing.keep_attention is {n} but checkpointing is {checkpointing}:"
+                         " nothing is recomputed; set it to 0 or checkpoint (gpu or cpu_offload)")
+    if n > len(layers):
+        raise ValueError(f"checkpointing.keep_attention is {n} but the model has {len(layers)} "
+                         f"decoder layers; use at most {len(layers)}")
+    if impl not in ("sdpa", "flash_attention_2"):
+        raise ValueError(f"checkpointing.keep_attention needs kernels.attention sdpa or "
+                         f"flash_attention_2 (fused kernels whose outputs can be kept), not {impl}")
+    from .keep_attention import keep_outputs
+
+    return keep_outputs(layers, n)
 
 
 def offload_checkpoints(model, gpu_layers: int = 0):

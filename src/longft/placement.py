@@ -1,6 +1,7 @@
 """Placement search for `longft plan`: every ZeRO-3 offload x checkpointing x micro-batch that
-fits (with cpu_offload, the most decoder layers kept on the GPU that still fit it:
-`checkpointing.gpu_layers`), ranked by a speed heuristic, and the params overlay of the chosen one.
+fits (with checkpointing, the GPU memory left filled by `keep_on_gpu`: attention outputs kept,
+`checkpointing.keep_attention`, then checkpoints kept, `checkpointing.gpu_layers`), ranked by a
+speed heuristic, and the params overlay of the chosen one.
 
     from longft.placement import best, search
     choice = best(search(arch, base_setup, gpu_mem_gib=80, host_mem_gib=256, gpu_name=None))
@@ -46,6 +47,9 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     micro = T * flops_per_token(arch, s.seq_len) * recompute / (ACHIEVED_FRACTION * peak)
     micro *= 1 + MICRO_OVERHEAD_TOKENS / T
     skipped = skips_recompute(s.checkpointing, arch.get("model_type"))
+    if s.checkpointing != "none" and s.keep_attention:  # their attention forward runs once
+        attn = 2 * s.seq_len * arch["head_dim"] * arch["num_attention_heads"]
+        micro -= T * attn * min(s.keep_attention, arch["num_hidden_layers"]) / (ACHIEVED_FRACTION * peak)
     if s.tiled_mlp and tiles(T, s.tile_tokens) > 1 and not skipped:  # one more MLP forward
         mlp = 2 * 3 * arch["hidden_size"] * arch["intermediate_size"] * arch["num_hidden_layers"]
         micro += T * mlp / (ACHIEVED_FRACTION * peak)
@@ -90,20 +94,41 @@ class Candidate:
         return max(self.est.gpu_nvml / (gpu_mem_gib * GIB), self.est.host_rss / (host_mem_gib * GIB))
 
 
-def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float) -> Setup:
-    """cpu_offload: the most decoder layers whose checkpoints can stay on the GPU (fewer copies,
-    less host RAM) while the GPU still fits; GPU memory grows with each layer kept."""
-    def gpu_ok(g: int) -> bool:
-        return bool(fits(estimate(arch, dataclasses.replace(s, gpu_layers=g)), gpu_mem_gib,
-                         None).gpu_ok)
-
-    lo, hi = 0, arch["num_hidden_layers"]
-    if not gpu_ok(0):
-        return dataclasses.replace(s, gpu_layers=0)
+def _largest(ok, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with ok(n), for ok true up to some n and false above; lo - 1 when
+    not even ok(lo)."""
+    if not ok(lo):
+        return lo - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if gpu_ok(mid) else (lo, mid - 1)
-    return dataclasses.replace(s, gpu_layers=lo)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | None = None) -> Setup:
+    """What to keep on the GPU with checkpointing, in the order of the time it saves per GiB:
+    first the attention outputs of as many layers as fit (`keep_attention`: each skips an attention
+    forward), with cpu_offload while keeping just enough checkpoints on the GPU for the host to fit;
+    then, with cpu_offload, as many more layers' checkpoints as still fit (`gpu_layers`: each saves
+    two copies and its host RAM)."""
+    L = arch["num_hidden_layers"]
+
+    def gpu_ok(**kw) -> bool:
+        return bool(fits(estimate(arch, dataclasses.replace(s, **kw)), gpu_mem_gib, None).gpu_ok)
+
+    g = 0
+    if s.checkpointing == "cpu_offload" and host_mem_gib is not None:
+        def host_over(n: int) -> bool:   # host RAM falls as layers stay on the GPU
+            return not fits(estimate(arch, dataclasses.replace(s, gpu_layers=n, keep_attention=0)),
+                            None, host_mem_gib).host_ok
+        g = max(0, _largest(host_over, 0, L) + 1) if host_over(0) else 0
+        g = min(g, L)
+    k = 0
+    if s.checkpointing in ("gpu", "cpu_offload") and s.attention in ("sdpa", "flash_attention_2"):
+        k = max(0, _largest(lambda n: gpu_ok(gpu_layers=g, keep_attention=n), 0, L))
+    if s.checkpointing == "cpu_offload":
+        g = max(g, _largest(lambda n: gpu_ok(gpu_layers=n, keep_attention=k), g, L))
+    return dataclasses.replace(s, gpu_layers=g, keep_attention=k)
 
 
 def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu_name: str | None,
@@ -117,9 +142,9 @@ def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu
             for m in range(1, max_micro + 1):
                 s = dataclasses.replace(base, micro_batch=m, checkpointing=mode, zero_stage=3,
                                         offload_optimizer=opt, offload_param=param, grad_accum=1,
-                                        gpu_layers=0)
-                if mode == "cpu_offload":
-                    s = keep_on_gpu(arch, s, gpu_mem_gib)
+                                        gpu_layers=0, keep_attention=0)
+                if mode != "none":
+                    s = keep_on_gpu(arch, s, gpu_mem_gib, host_mem_gib)
                 e = estimate(arch, s)
                 f = fits(e, gpu_mem_gib, host_mem_gib)
                 if f.ok or m == 1:
@@ -151,7 +176,8 @@ def overlay(model: str, c: Candidate, gpus: int, shipped: bool) -> dict:
         "data": {"max_seq_length": s.seq_len, **({} if s.packed else {"pack": False})},
         "hardware": {"num_gpus": gpus},
         "checkpointing": {"mode": s.checkpointing,
-                          **({"gpu_layers": s.gpu_layers} if s.checkpointing == "cpu_offload" else {})},
+                          **({"gpu_layers": s.gpu_layers} if s.checkpointing == "cpu_offload" else {}),
+                          **({"keep_attention": s.keep_attention} if s.keep_attention else {})},
         "zero": {"stage": 3, "offload_optimizer": "cpu" if opt else "none",
                  "offload_param": "cpu" if param else "none"},
         "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},

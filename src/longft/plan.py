@@ -46,9 +46,12 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     choices = hardware.resolve(cfg, hw, mc.model_type)
     precision = choices["precision"].value
     model = meta_model(mc, choices["attention"].value)
-    record = patch.apply(model, choices["liger"].value, choices["checkpointing"].value,
-                         choices["sdpa_backend"].value, choices["tiled_mlp"].value,
-                         cfg.kernels.tiled_mlp_tokens)
+    try:
+        record = patch.apply(model, choices["liger"].value, choices["checkpointing"].value,
+                             choices["sdpa_backend"].value, choices["tiled_mlp"].value,
+                             cfg.kernels.tiled_mlp_tokens, cfg.checkpointing.keep_attention)
+    except ValueError as e:  # a knob this model or mode cannot take (patch checks it)
+        raise hardware.PlanError([str(e)]) from None
     n_params = sum(p.numel() for p in model.parameters())
     arch = architecture(mc)
     if cfg.lora.rank > 0:

@@ -94,7 +94,7 @@ def _build(cfg: Config, plan: dict, ds: dict):
     model = build_model(cfg.model, r["attention"]["value"], dtype)
     record = patch.apply(model, r["liger"]["value"], r["checkpointing"]["value"],
                          r["sdpa_backend"]["value"], r.get("tiled_mlp", {}).get("value", False),
-                         cfg.kernels.tiled_mlp_tokens)
+                         cfg.kernels.tiled_mlp_tokens, cfg.checkpointing.keep_attention)
     if record["replaced_modules"] != plan["patches"]["replaced_modules"]:
         raise TrainingError(f"patched modules differ from the plan: {record['replaced_modules']} vs "
                             f"{plan['patches']['replaced_modules']}; re-run `dvc repro patch`")

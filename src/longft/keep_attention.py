@@ -1,0 +1,74 @@
+"""`checkpointing.keep_attention`: the last N checkpointed decoder layers keep their attention
+kernel's outputs (output and log-sum-exp) from the forward, so the recompute in backward skips the
+attention forward, the costliest op at long context (a quarter of a layer's attention time at
+128K). Each kept layer costs micro x seq x heads x (head_dim x 2 B + 4 B) of GPU memory from its
+forward until its backward.
+
+This is selective activation checkpointing through the checkpoint's `context_fn`, like PyTorch's
+`create_selective_checkpoint_contexts` with the kernels MUST_SAVE, but tracking only the kernels:
+PyTorch's version requires every op of the recompute to match the forward's, which the tiled
+MLP's skipped recompute (tiled.py) and ZeRO-3's parameter fetches (prefetched during the forward,
+fetched during the recompute) do not.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+
+def kernel_ops() -> set:
+    """The attention kernels whose outputs are kept: SDPA's fused kernels (CUDA and CPU) and
+    flash-attn's, where flash-attn registers them as torch ops (2.6 and later)."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    for n in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
+        try:
+            ops.add(getattr(torch.ops.flash_attn, n).default)
+        except (AttributeError, RuntimeError):  # flash-attn missing, or too old to register ops
+            pass
+    return ops
+
+
+class KeptKernels(TorchDispatchMode):
+    """Forward (replay=False): run every op, keep the attention kernels' outputs in `kept`.
+    Recompute (replay=True): hand those outputs back, in order, instead of running the kernels;
+    every other op runs as usual."""
+
+    def __init__(self, ops: set, kept: deque, replay: bool):
+        super().__init__()
+        self.ops, self.kept, self.replay = ops, kept, replay
+        self.replayed = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.ops and self.replay and self.kept:
+            self.replayed += 1
+            return self.kept.popleft()
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops and not self.replay:
+            self.kept.append(tree_map_only(torch.Tensor, lambda t: t.detach(), out))
+        return out
+
+
+def contexts(ops: set):
+    """A checkpoint `context_fn`: the forward's and the recompute's modes, sharing one queue."""
+    kept: deque = deque()
+    return KeptKernels(ops, kept, replay=False), KeptKernels(ops, kept, replay=True)
+
+
+def keep_outputs(layers, n: int) -> int:
+    """Make the last `n` of these checkpointed layers keep their attention outputs; returns how
+    many were set up. Call after checkpointing is on (each layer's checkpoint function is wrapped)."""
+    if n <= 0:
+        return 0
+    context_fn = functools.partial(contexts, kernel_ops())
+    for layer in layers[-n:]:
+        base = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = functools.partial(base, context_fn=context_fn)
+    return min(n, len(layers))
