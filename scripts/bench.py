@@ -12,7 +12,6 @@ Use this where DVC is not installed (the GPU machine); elsewhere the same rows r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from longft.atomic import write_json  # noqa: E402
-from longft.config import ConfigError, from_dict, merge  # noqa: E402
-from longft.pipeline import StageFailed, run_all, run_stage, stage_commands  # noqa: E402
+from longft.config import ConfigError, merge  # noqa: E402
+from longft.pipeline import run_params  # noqa: E402
 
 
 def run_row(overlay_path: Path, work_root: Path, results: Path, commit: str) -> dict:
@@ -32,30 +31,21 @@ def run_row(overlay_path: Path, work_root: Path, results: Path, commit: str) -> 
     overlay = yaml.safe_load(overlay_path.read_text()) or {}
     note = overlay.pop("bench_note", "")
     params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), overlay)
-    from_dict(params, str(overlay_path))  # refuse bad rows before any work
-    work = work_root / name
-    work.mkdir(parents=True, exist_ok=True)
-    p = work / "params.yaml"
-    p.write_text(yaml.safe_dump(params, sort_keys=False))
     out = {"name": name, "note": note, "commit": commit, "overlay": overlay, "params": params,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with open(work / "log.txt", "w") as log:
-        print(f"[bench] {name}: {note}", flush=True)
-        try:
-            run_all(p, work, ("prepare", "patch", "train"), log=log, echo=True)
-            out["status"] = "ok"
-        except StageFailed as e:
-            out["status"] = f"failed: stage {e.name} exited {e.code}"
-            out["log_tail"] = e.output.splitlines()[-80:]
-        if (work / "run").is_dir():
-            try:
-                run_stage("metrics", stage_commands(p, work)["metrics"], log=log, echo=True)
-            except StageFailed as e:
-                out["status"] += f"; metrics exited {e.code}"
+    print(f"[bench] {name}: {note}", flush=True)
+    # refuses bad rows (ConfigError) before any work
+    run = run_params(params, work_root / name, str(overlay_path), echo=True)
+    out["status"] = "ok"
+    if run.failed:
+        out["status"] = f"failed: stage {run.failed.name} exited {run.failed.code}"
+        out["log_tail"] = run.failed.output.splitlines()[-80:]
+    if run.metrics_failed:
+        out["status"] += f"; metrics exited {run.metrics_failed.code}"
     for key, f in (("train", "metrics/train.json"), ("env", "metrics/env.json"),
                    ("plan", "artifacts/plan.json")):
-        if (work / f).is_file():
-            out[key] = json.loads((work / f).read_text())
+        if (d := run.read_json(f)) is not None:
+            out[key] = d
     if "plan" in out:
         out["plan"] = {k: out["plan"][k] for k in ("resolved", "patches", "model", "batch",
                                                    "memory_estimate", "hardware")}

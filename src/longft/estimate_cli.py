@@ -2,7 +2,8 @@
 
     longft estimate [--params params.yaml] [--gpu-mem GiB] [--host-mem GiB]
     longft plan --gpu-mem 80 --host-mem 256 --gpus 1 --model llama3.1-8b --seq 65536 [--out overlay.yaml]
-    longft max-context [--params params.yaml] [--gpu-mem GiB] [--host-mem GiB]
+    longft max-context [--params params.yaml] [--gpu-mem GiB] [--host-mem GiB] [--max-seq N] \
+        [--confirm [--iterations 2] [--work DIR] [--out FILE]]
 
 (`longft` is the console script of longft.cli, which hands these commands to `main(command, argv)`;
 `python -m longft.cli estimate ...` works without installing it.)
@@ -10,8 +11,9 @@
 estimate: the itemised memory table of a params file; exit 0 when it fits, 1 when it does not.
 plan: the fastest placement that fits (offload x checkpointing x micro-batch), written as a params
 overlay; exit 1 with the closest candidate's numbers when nothing fits.
-max-context: the longest sequence (a multiple of 1024) that fits, by binary search; the lead
-confirms it with short real runs at `candidates_for_confirmation()`.
+max-context: the longest sequence (a multiple of 1024) that fits, by binary search; with --confirm,
+short real training runs at `candidates_for_confirmation()`, longest first, find the longest that
+does train (longft.confirm; exit 0 found, 1 none fits, 2 bad input or a run failed otherwise).
 GPU and host sizes default to the detected hardware; the flags override. Formulas, calibration and
 the speed heuristic: docs/estimator.md.
 """
@@ -235,6 +237,14 @@ def cmd_max_context(argv: list[str]) -> int:
     _add_run_args(ap)
     ap.add_argument("--max-seq", type=int, default=None,
                     help="upper end of the search (default: the model's max_position_embeddings)")
+    ap.add_argument("--confirm", action="store_true",
+                    help="then confirm with short real runs at the candidate lengths, longest first "
+                    "(longft.confirm; docs/estimator.md)")
+    ap.add_argument("--iterations", type=int, default=2, help="--confirm: training steps per run")
+    ap.add_argument("--work", type=Path, help="--confirm: work folder, one seq-<L>/ per run "
+                    "(default: <tmp>/longft-max-context)")
+    ap.add_argument("--out", type=Path, help="--confirm: JSON report "
+                    "(default: <work>/max_context.json)")
     a = ap.parse_args(argv)
     from .hardware import detect
 
@@ -246,6 +256,12 @@ def cmd_max_context(argv: list[str]) -> int:
     if gpu_mem is None:
         print("longft max-context: no GPU here; pass --gpu-mem", file=sys.stderr)
         return 2
+    job = None
+    if a.confirm:  # bad --confirm input fails here (ConfigError, exit 2), before any estimate or run
+        from .confirm import predicted, prepare
+
+        job = prepare(a.params, cfg, hw, arch["model_type"], gpu_mem, host_mem, a.iterations,
+                      a.work, a.out)
     top = a.max_seq or arch.get("max_position_embeddings") or 1 << 20
     base = setup_from_config(cfg, resolved)
     best_seq = max_context(arch, base, gpu_mem, host_mem, cfg.hardware.vram_limit_gib, top)
@@ -257,20 +273,30 @@ def cmd_max_context(argv: list[str]) -> int:
         e = estimate(arch, dataclasses.replace(base, seq_len=SEQ_STEP))
         print(f"even {SEQ_STEP} tokens do not fit:")
         print(format_table(e, fits(e, gpu_mem, host_mem, cfg.hardware.vram_limit_gib)))
-        return 1
-    e = estimate(arch, dataclasses.replace(base, seq_len=best_seq))
-    print(f"longest context that fits: {best_seq:,} tokens "
-          f"(VRAM {e.gpu_nvml / GIB:.1f} GiB NVML-level, host {e.host_rss / GIB:.1f} GiB)")
-    if best_seq + SEQ_STEP <= top:
-        nxt = estimate(arch, dataclasses.replace(base, seq_len=best_seq + SEQ_STEP))
-        print(f"  {best_seq + SEQ_STEP:,} would need VRAM {nxt.gpu_nvml / GIB:.1f} GiB, "
-              f"host {nxt.host_rss / GIB:.1f} GiB")
+        if job is None:
+            return 1
     else:
-        print("  that is the upper end of the search: memory is not the limit (--max-seq to go on)")
-    print("confirm on the GPU with short runs at data.max_seq_length = "
-          + ", ".join(f"{s:,}" for s in candidates_for_confirmation(best_seq, limit=top)))
-    print(format_table(e, fits(e, gpu_mem, host_mem, cfg.hardware.vram_limit_gib)))
-    return 0
+        e = estimate(arch, dataclasses.replace(base, seq_len=best_seq))
+        print(f"longest context that fits: {best_seq:,} tokens "
+              f"(VRAM {e.gpu_nvml / GIB:.1f} GiB NVML-level, host {e.host_rss / GIB:.1f} GiB)")
+        if best_seq + SEQ_STEP <= top:
+            nxt = estimate(arch, dataclasses.replace(base, seq_len=best_seq + SEQ_STEP))
+            print(f"  {best_seq + SEQ_STEP:,} would need VRAM {nxt.gpu_nvml / GIB:.1f} GiB, "
+                  f"host {nxt.host_rss / GIB:.1f} GiB")
+        else:
+            print("  that is the upper end of the search: memory is not the limit (--max-seq to go on)")
+    cands = candidates_for_confirmation(best_seq, limit=top)
+    print(("confirming" if job else "confirm on the GPU (--confirm)") + " with short runs at "
+          "data.max_seq_length = " + ", ".join(f"{s:,}" for s in cands))
+    if best_seq:
+        print(format_table(e, fits(e, gpu_mem, host_mem, cfg.hardware.vram_limit_gib)))
+    if job is None:
+        return 0
+    answer = {"model": cfg.model.name, "params": a.params, "max_seq": best_seq, "search_up_to": top,
+              "gpu_mem_gib": gpu_mem, "host_mem_gib": host_mem,
+              "setup": describe(dataclasses.replace(base, seq_len=best_seq or SEQ_STEP))}
+    return job.run(answer, cands,
+                   lambda s: predicted(estimate(arch, dataclasses.replace(base, seq_len=s))))
 
 
 COMMANDS = {"estimate": cmd_estimate, "plan": cmd_plan, "max-context": cmd_max_context}

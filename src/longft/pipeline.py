@@ -1,14 +1,18 @@
 """Run the four stages (prepare -> patch -> train -> metrics) outside DVC, in one work folder.
 
-`dvc repro` is the normal way; this is for machines without DVC (the GPU benchmark machine) and for
-tests. Each stage runs as its own process, exactly the command dvc.yaml gives it.
+`dvc repro` is the normal way; this is for machines without DVC (the GPU benchmark machine,
+scripts/bench.py, `longft max-context --confirm`) and for tests. Each stage runs as its own
+process, exactly the command dvc.yaml gives it.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -72,3 +76,62 @@ def run_all(params: Path, work: Path, stages=("prepare", "patch", "train", "metr
     """Run the stages in order; return each one's output; raise StageFailed on the first failure."""
     cmds = stage_commands(params, work)
     return {name: run_stage(name, cmds[name], log, echo) for name in stages}
+
+
+@dataclass
+class WorkRun:
+    """What run_params did in its work folder."""
+    work: Path
+    seconds: float
+    failed: StageFailed | None = None          # the first stage that failed (the rest did not run)
+    metrics_failed: StageFailed | None = None  # the metrics stage after train, if it failed
+
+    @property
+    def log(self) -> Path:
+        return self.work / "log.txt"
+
+    def read_json(self, rel: str) -> dict | None:
+        """work/<rel> parsed, or None if that file was not written."""
+        f = self.work / rel
+        return json.loads(f.read_text()) if f.is_file() else None
+
+
+def run_params(params: dict, work: Path, source: str = "params.yaml",
+               stages=("prepare", "patch", "train"), echo: bool = False) -> WorkRun:
+    """Run `stages` on a params mapping in its own work folder, as `dvc repro` would.
+
+    The mapping is validated first (ConfigError, naming `source`, before any work), then written to
+    work/params.yaml; every stage's output goes to work/log.txt. The first failing stage ends the
+    run: its StageFailed is returned in `failed`, not raised. Once the train stage ran and made a run
+    folder, the metrics stage follows (also after a failed run: metrics/train.json is then marked
+    incomplete). metrics/ of an earlier run in the same folder is deleted first, so whatever
+    metrics/ holds afterwards belongs to this run.
+    """
+    import yaml
+
+    from .atomic import write_text
+    from .config import from_dict
+
+    from_dict(params, source)
+    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work / "metrics", ignore_errors=True)
+    p = work / "params.yaml"
+    write_text(p, yaml.safe_dump(params, sort_keys=False))
+    t = time.time()
+    out = WorkRun(work, 0.0)
+    cmds = stage_commands(p, work)
+    with open(out.log, "w") as log:
+        for name in stages:
+            try:
+                run_stage(name, cmds[name], log=log, echo=echo)
+            except StageFailed as e:
+                out.failed = e
+                break
+        reached = out.failed is None or out.failed.name == "train"
+        if "train" in stages and reached and (work / "run").is_dir():
+            try:
+                run_stage("metrics", cmds["metrics"], log=log, echo=echo)
+            except StageFailed as e:
+                out.metrics_failed = e
+    out.seconds = time.time() - t
+    return out
