@@ -136,6 +136,8 @@ def test_command_confirms_below_the_estimate_and_writes_the_report(tmp_path, on,
     assert main("max-context", args) == 0
     out = capsys.readouterr().out
     assert made["vram"] == pytest.approx(14.1) and made["iterations"] == 2
+    # tiled_mlp auto is off at the params' 4,096 tokens, in the estimate: the runs pin it off
+    assert made["params"]["kernels"] == {"tiled_mlp": "off"} and "tiled_mlp auto is off" in out
     rep = json.loads((tmp_path / "w" / "max_context.json").read_text())
     est = rep["estimate"]["max_seq"]
     assert est > 32 * K and rep["candidates"][-1] > est > rep["candidates"][0]

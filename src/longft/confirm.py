@@ -9,10 +9,13 @@ file is overlaid with
     train.iterations: --iterations  train.warmup_iterations: 1 (0 when --iterations is 1)
     output: no checkpoint, no export, no resume
     hardware.vram_limit_gib: --gpu-mem - 1.9 GiB (CUDA context), when --gpu-mem is below the GPU's size
+    kernels.tiled_mlp: what `auto` resolved to in the estimate (at the params' own length)
 
-so a 16 GiB card is emulated on a larger one: the cap is on torch's reserved memory, and the
-estimator's "fits" is reserved + 1.9 GiB of context <= the card. Everything else (model, data
-source and packing, micro/global batch, offload, checkpointing, kernels) stays as in the params.
+The VRAM cap emulates a smaller card (say 16 GiB) on a larger one: it caps torch's reserved
+memory, and the estimator's "fits" is reserved + 1.9 GiB of context <= the card. The tiled MLP is
+pinned so that the runs test what was estimated: `auto` would turn it on from 65,536 tokens in some
+runs only. Everything else (model, data source and packing, micro/global batch, offload,
+checkpointing, the other kernels) stays as in the params.
 
 Search: the first length that completes is the confirmed maximum. A run that does not fit goes on
 down: the train stage ran out of GPU memory ("CUDA out of memory"), the train stage refused to start
@@ -250,9 +253,11 @@ class Confirmation:
         return 2 if last.status == ERROR else 0 if best else 1
 
 
-def prepare(params_path: str, cfg, hw, model_type: str, gpu_mem: float, host_mem: float | None,
-            iterations: int, work: Path | None, out: Path | None) -> Confirmation:
-    """Check the --confirm request against this machine (ConfigError: exit 2 before any run)."""
+def prepare(params_path: str, cfg, hw, model_type: str, estimated: dict, gpu_mem: float,
+            host_mem: float | None, iterations: int, work: Path | None,
+            out: Path | None) -> Confirmation:
+    """Check the --confirm request against this machine (ConfigError: exit 2 before any run).
+    `estimated`: the resolved `auto` values the estimate used."""
     import tempfile
 
     import yaml
@@ -284,5 +289,13 @@ def prepare(params_path: str, cfg, hw, model_type: str, gpu_mem: float, host_mem
                      "GiB: the runs are limited by this machine's RAM")
     work = work or Path(tempfile.gettempdir()) / "longft-max-context"
     raw = yaml.safe_load(Path(params_path).read_text()) or {}
+    if cfg.kernels.tiled_mlp == "auto":
+        # the estimate resolved auto once, at the params' own length; so do the runs (auto would
+        # turn the tiled MLP on from 65,536 in some runs and not in others)
+        tiled = "on" if estimated.get("tiled_mlp") else "off"
+        raw = merge(raw, {"kernels": {"tiled_mlp": tiled}})
+        notes.append(f"kernels.tiled_mlp auto is {tiled} at the params' max_seq_length "
+                     f"{cfg.data.max_seq_length:,}, in the estimate and in every run; set it to on "
+                     "or off in the params to choose")
     return Confirmation(raw, params_path, work, out or work / "max_context.json", iterations, cap,
                         host_mem, device, notes)

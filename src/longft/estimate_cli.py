@@ -260,8 +260,8 @@ def cmd_max_context(argv: list[str]) -> int:
     if a.confirm:  # bad --confirm input fails here (ConfigError, exit 2), before any estimate or run
         from .confirm import predicted, prepare
 
-        job = prepare(a.params, cfg, hw, arch["model_type"], gpu_mem, host_mem, a.iterations,
-                      a.work, a.out)
+        job = prepare(a.params, cfg, hw, arch["model_type"], resolved, gpu_mem, host_mem,
+                      a.iterations, a.work, a.out)
     top = a.max_seq or arch.get("max_position_embeddings") or 1 << 20
     base = setup_from_config(cfg, resolved)
     best_seq = max_context(arch, base, gpu_mem, host_mem, cfg.hardware.vram_limit_gib, top)
