@@ -32,12 +32,13 @@ flushes them instead, and the run fits (docs/estimator.md)."""
 
 def reserved_factor(expandable_segments: bool) -> float:
     return RESERVED_FACTOR_EXPANDABLE if expandable_segments else RESERVED_FACTOR
-RANK_BASE_BYTES = int(3.44 * GIB)
+RANK_BASE_BYTES = int(1.57 * GIB)
 """Host RSS of one rank with nothing offloaded: python, torch, CUDA/cuBLAS/cuDNN/NCCL libraries,
 the CUDA context's host side, DeepSpeed, transformers."""
-LAUNCHER_BASE_BYTES = int(1.50 * GIB)
-"""Host RSS of the launcher side of the tree (stage process, deepspeed runner and launch). With the
-per-rank part this adds up to the 4.94 GiB measured on H200 row (a); the split is assumed."""
+LAUNCHER_BASE_BYTES = int(3.37 * GIB)
+"""Host RSS of the launcher side of the tree (stage process, deepspeed runner and launch). The two
+are solved from H200 row (a), 4.94 GiB with one rank, and its 2-GPU row (e), 6.51 GiB with two
+(bench/results at bb0129c): the second rank added 1.57 GiB."""
 CPU_RANK_BASE_BYTES = int(0.74 * GIB)
 CPU_LAUNCHER_BASE_BYTES = int(0.45 * GIB)
 """The same two on a CPU-only run (no CUDA libraries): with the tiny model's tensors they add up to
