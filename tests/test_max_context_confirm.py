@@ -130,18 +130,18 @@ def params_1b(tmp_path):
 
 def test_command_confirms_below_the_estimate_and_writes_the_report(tmp_path, on, fake, capsys):
     on(H200)
-    made = fake(Fake(limit=66 * K))
+    made = fake(Fake(limit=96 * K))
     args = ["--params", params_1b(tmp_path), "--gpu-mem", "16", "--host-mem", "120", "--confirm",
             "--work", str(tmp_path / "w")]
     assert main("max-context", args) == 0
     out = capsys.readouterr().out
     assert made["vram"] == pytest.approx(14.1) and made["iterations"] == 2
-    # tiled_mlp auto is off at the params' 4,096 tokens, in the estimate: the runs pin it off
-    assert made["params"]["kernels"] == {"tiled_mlp": "off"} and "tiled_mlp auto is off" in out
+    # tiled_mlp auto is on at the estimate's longest context (over 65,536): the runs pin it on
+    assert made["params"]["kernels"] == {"tiled_mlp": "on"} and "tiled_mlp auto is on" in out
     rep = json.loads((tmp_path / "w" / "max_context.json").read_text())
     est = rep["estimate"]["max_seq"]
     assert est > 32 * K and rep["candidates"][-1] > est > rep["candidates"][0]
-    assert rep["confirmed_max_seq"] == max(c for c in rep["candidates"] if c <= 66 * K)
+    assert rep["confirmed_max_seq"] == max(c for c in rep["candidates"] if c <= 96 * K)
     assert [r["status"] for r in rep["runs"]][-1] == FITS
     assert all(r["status"] == NO_FIT for r in rep["runs"][:-1])
     assert rep["shortest_not_fitting"] == min(r["seq"] for r in rep["runs"][:-1])
@@ -220,3 +220,23 @@ def test_confirmation_runs_the_real_stages_on_cpu(tmp_path, monkeypatch, capsys)
     assert not (work / "seq-4096" / "checkpoints" / "final").exists()
     if rep["device"] == "cpu":
         assert "confirm nothing about GPU memory" in out
+
+
+def test_auto_tiling_is_searched_where_it_applies():
+    """kernels.tiled_mlp auto tiles from 65,536 tokens: memory drops there, so the search takes the
+    tiled lengths first and the untiled ones below 65,536 only when no tiled length fits."""
+    import dataclasses
+
+    from longft.estimate_cli import _max_context_auto_tiled, max_context
+    from longft.estimate_types import Setup
+    from longft.pipeline import REPO
+
+    arch = json.loads((REPO / "configs/models/llama3.2-1b.json").read_text())
+    base = Setup(micro_batch=1, seq_len=4096, checkpointing="gpu", offload_optimizer=True)
+    seq, tiled = _max_context_auto_tiled(arch, base, 16, None, None, 1 << 20)
+    assert tiled and seq >= 65536
+    assert seq == max_context(arch, dataclasses.replace(base, tiled_mlp=True), 16, None, None)
+    assert seq > max_context(arch, dataclasses.replace(base, tiled_mlp=False), 16, None, None)
+    seq, tiled = _max_context_auto_tiled(arch, base, 6, None, None, 1 << 20)
+    assert not tiled and 0 < seq < 65536
+    assert seq == max_context(arch, dataclasses.replace(base, tiled_mlp=False), 6, None, None)

@@ -9,7 +9,7 @@ file is overlaid with
     train.iterations: --iterations  train.warmup_iterations: 1 (0 when --iterations is 1)
     output: no checkpoint, no export, no resume
     hardware.vram_limit_gib: --gpu-mem - 1.9 GiB (CUDA context), when --gpu-mem is below the GPU's size
-    kernels.tiled_mlp: what `auto` resolved to in the estimate (at the params' own length)
+    kernels.tiled_mlp: what `auto` resolved to in the estimate (at its longest context)
 
 The VRAM cap emulates a smaller card (say 16 GiB) on a larger one: it caps torch's reserved
 memory, and the estimator's "fits" is reserved + 1.9 GiB of context <= the card. The tiled MLP is
@@ -290,12 +290,11 @@ def prepare(params_path: str, cfg, hw, model_type: str, estimated: dict, gpu_mem
     work = work or Path(tempfile.gettempdir()) / "longft-max-context"
     raw = yaml.safe_load(Path(params_path).read_text()) or {}
     if cfg.kernels.tiled_mlp == "auto":
-        # the estimate resolved auto once, at the params' own length; so do the runs (auto would
-        # turn the tiled MLP on from 65,536 in some runs and not in others)
+        # the estimate resolved auto at its longest context; so do the runs (auto would turn the
+        # tiled MLP on from 65,536 in some runs and not in others)
         tiled = "on" if estimated.get("tiled_mlp") else "off"
         raw = merge(raw, {"kernels": {"tiled_mlp": tiled}})
-        notes.append(f"kernels.tiled_mlp auto is {tiled} at the params' max_seq_length "
-                     f"{cfg.data.max_seq_length:,}, in the estimate and in every run; set it to on "
-                     "or off in the params to choose")
+        notes.append(f"kernels.tiled_mlp auto is {tiled} in the estimate and in every run; set it "
+                     "to on or off in the params to choose")
     return Confirmation(raw, params_path, work, out or work / "max_context.json", iterations, cap,
                         host_mem, device, notes)

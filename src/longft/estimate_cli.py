@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from .estimate import GIB, Setup, describe, estimate, fits, format_table, setup_from_config
+from .hardware import TILED_MLP_FROM
 from .placement import MODES, best, overlay, search, tokens_per_second
 
 __all__ = [
@@ -231,6 +232,20 @@ def max_context(arch: dict, base: Setup, gpu_mem_gib: float | None, host_mem_gib
     return lo * step
 
 
+def _max_context_auto_tiled(arch: dict, base: Setup, gpu_mem_gib, host_mem_gib, vram_limit_gib,
+                            top: int) -> tuple[int, bool]:
+    """max_context under kernels.tiled_mlp auto, which tiles from TILED_MLP_FROM tokens on: memory
+    drops where tiling starts, so search the tiled lengths first, then the untiled ones below.
+    Returns (longest fitting length, whether it runs tiled)."""
+    if top >= TILED_MLP_FROM:
+        tiled = max_context(arch, dataclasses.replace(base, tiled_mlp=True), gpu_mem_gib,
+                            host_mem_gib, vram_limit_gib, top)
+        if tiled >= TILED_MLP_FROM:
+            return tiled, True
+    return max_context(arch, dataclasses.replace(base, tiled_mlp=False), gpu_mem_gib, host_mem_gib,
+                       vram_limit_gib, min(top, TILED_MLP_FROM - 1)), False
+
+
 def cmd_max_context(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="longft max-context",
                                  description="Longest context (multiple of 1024) that fits.")
@@ -256,15 +271,23 @@ def cmd_max_context(argv: list[str]) -> int:
     if gpu_mem is None:
         print("longft max-context: no GPU here; pass --gpu-mem", file=sys.stderr)
         return 2
+    top = a.max_seq or arch.get("max_position_embeddings") or 1 << 20
+    base = setup_from_config(cfg, resolved)
+    if cfg.kernels.tiled_mlp == "auto" and not (cfg.lora.rank > 0 and cfg.lora.dropout > 0):
+        best_seq, tiled = _max_context_auto_tiled(arch, base, gpu_mem, host_mem,
+                                                  cfg.hardware.vram_limit_gib, top)
+        base = dataclasses.replace(base, tiled_mlp=tiled)
+        resolved = {**resolved, "tiled_mlp": tiled}
+        notes.append(f"kernels.tiled_mlp auto: {'on' if tiled else 'off'} at the longest context "
+                     f"(on from {TILED_MLP_FROM:,} tokens)")
+    else:
+        best_seq = max_context(arch, base, gpu_mem, host_mem, cfg.hardware.vram_limit_gib, top)
     job = None
-    if a.confirm:  # bad --confirm input fails here (ConfigError, exit 2), before any estimate or run
+    if a.confirm:  # bad --confirm input fails here (ConfigError, exit 2), before any run
         from .confirm import predicted, prepare
 
         job = prepare(a.params, cfg, hw, arch["model_type"], resolved, gpu_mem, host_mem,
                       a.iterations, a.work, a.out)
-    top = a.max_seq or arch.get("max_position_embeddings") or 1 << 20
-    base = setup_from_config(cfg, resolved)
-    best_seq = max_context(arch, base, gpu_mem, host_mem, cfg.hardware.vram_limit_gib, top)
     print(f"longft max-context: {cfg.model.name}, micro-batch {base.micro_batch}, "
           f"{base.world_size} rank(s), GPU {gpu_mem:g} GiB, host {host_mem} GiB, search up to {top:,}")
     for n in notes:
