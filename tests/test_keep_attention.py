@@ -79,8 +79,11 @@ def test_patch_refuses_what_cannot_keep_attention():
         patch.apply(tiny_model(), liger=False, checkpointing="gpu", keep_attention=3)
     eager = tiny_model()
     eager.config._attn_implementation = "eager"
-    with pytest.raises(ValueError, match="sdpa or flash_attention_2"):
+    with pytest.raises(ValueError, match="needs a fused attention kernel.*not eager"):
         patch.apply(eager, liger=False, checkpointing="gpu", keep_attention=1)
+    with pytest.raises(ValueError, match="not sdpa_backend math"):
+        patch.apply(tiny_model(), liger=False, checkpointing="gpu", sdpa_backend="math",
+                    keep_attention=1)
     assert patch.apply(tiny_model(), liger=False, checkpointing="gpu")["attention_kept_layers"] == 0
 
 

@@ -61,7 +61,7 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
     if checkpointing in ("gpu", "cpu_offload"):
         # Non-reentrant: works with transformers 5 layers that return tensors, and with ZeRO-3.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    kept = _keep_attention(model, checkpointing, keep_attention)
+    kept = _keep_attention(model, checkpointing, keep_attention, sdpa_backend)
     return {
         "liger": liger,
         "replaced_modules": _replaced_modules(model),
@@ -76,7 +76,7 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
     }
 
 
-def _keep_attention(model, checkpointing: str, n: int) -> int:
+def _keep_attention(model, checkpointing: str, n: int, sdpa_backend: str = "default") -> int:
     """checkpointing.keep_attention (keep_attention.py), with its preconditions checked."""
     if n <= 0:
         return 0
@@ -88,9 +88,11 @@ def _keep_attention(model, checkpointing: str, n: int) -> int:
     if n > len(layers):
         raise ValueError(f"checkpointing.keep_attention is {n} but the model has {len(layers)} "
                          f"decoder layers; use at most {len(layers)}")
-    if impl not in ("sdpa", "flash_attention_2"):
-        raise ValueError(f"checkpointing.keep_attention needs kernels.attention sdpa or "
-                         f"flash_attention_2 (fused kernels whose outputs can be kept), not {impl}")
+    if impl not in ("sdpa", "flash_attention_2") or (impl == "sdpa" and sdpa_backend == "math"):
+        what = "sdpa_backend math" if impl == "sdpa" else impl
+        raise ValueError(f"checkpointing.keep_attention needs a fused attention kernel (kernels."
+                         f"attention sdpa with sdpa_backend other than math, or flash_attention_2) "
+                         f"whose outputs can be kept, not {what}; set it to 0 or change the kernel")
     from .keep_attention import keep_outputs
 
     return keep_outputs(layers, n)

@@ -124,7 +124,8 @@ def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | 
         g = max(0, _largest(host_over, 0, L) + 1) if host_over(0) else 0
         g = min(g, L)
     k = 0
-    if s.checkpointing in ("gpu", "cpu_offload") and s.attention in ("sdpa", "flash_attention_2"):
+    fused = s.attention == "flash_attention_2" or (s.attention == "sdpa" and s.sdpa_backend != "math")
+    if s.checkpointing in ("gpu", "cpu_offload") and fused:  # keep_attention needs a fused kernel
         k = max(0, _largest(lambda n: gpu_ok(gpu_layers=g, keep_attention=n), 0, L))
     if s.checkpointing == "cpu_offload":
         g = max(g, _largest(lambda n: gpu_ok(gpu_layers=n, keep_attention=k), g, L))
