@@ -26,11 +26,16 @@ from longft.config import ConfigError, merge  # noqa: E402
 from longft.pipeline import run_params  # noqa: E402
 
 
-def run_row(overlay_path: Path, work_root: Path, results: Path, commit: str) -> dict:
-    name = overlay_path.stem
+def overlay_params(overlay_path: Path) -> tuple[dict, dict, str]:
+    """(params.yaml with the overlay merged on, the overlay, its bench_note)."""
     overlay = yaml.safe_load(overlay_path.read_text()) or {}
     note = overlay.pop("bench_note", "")
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), overlay)
+    return merge(yaml.safe_load((REPO / "params.yaml").read_text()), overlay), overlay, note
+
+
+def run_row(overlay_path: Path, work_root: Path, results: Path, commit: str) -> dict:
+    name = overlay_path.stem
+    params, overlay, note = overlay_params(overlay_path)
     out = {"name": name, "note": note, "commit": commit, "overlay": overlay, "params": params,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"[bench] {name}: {note}", flush=True)
@@ -59,7 +64,15 @@ def main() -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--work", type=Path, default=Path("/tmp/longft-bench"))
     ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--write-params", type=Path, metavar="DIR",
+                    help="only write each overlay merged onto params.yaml to DIR/<name>.yaml")
     a = ap.parse_args()
+    if a.write_params:
+        a.write_params.mkdir(parents=True, exist_ok=True)
+        for o in a.overlays:
+            (a.write_params / f"{o.stem}.yaml").write_text(
+                yaml.safe_dump(overlay_params(o)[0], sort_keys=False))
+        return 0
     rows = []
     for o in a.overlays:
         try:

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go: the gpu-marked tests, then benchmark rows.
 #
-#   bash scripts/gpu_suite.sh [--no-tests] [overlay.yaml ...]
+#   bash scripts/gpu_suite.sh [--no-tests] [overlay.yaml ...] [--max-context overlay.yaml GiB ...]
+#
+# --max-context: after the rows, `longft max-context --confirm` for each overlay (merged onto
+# params.yaml) at a GPU budget of GiB (a smaller card emulated with hardware.vram_limit_gib);
+# the report goes to $OUT/results/<overlay>-<GiB>gib-maxctx.json.
 #
 # On the project's GPU machine (no package index there), first build the missing wheels here with
 # `../shared/device/wheels.sh .whl`, carry .whl, and this script installs them into /tmp/site.
@@ -26,7 +30,24 @@ else
   python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
 fi
-if [ $# -gt 0 ]; then
-  python3 scripts/bench.py "$@" --commit "${LONGFT_COMMIT:-unknown}" --results "$OUT/results" || rc=1
+rows=() maxctx=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--max-context" ]; then
+    [ $# -ge 3 ] || { echo "gpu_suite: --max-context needs an overlay and a GiB budget" >&2; exit 2; }
+    maxctx+=("$2" "$3"); shift 3
+  else
+    rows+=("$1"); shift
+  fi
+done
+if [ ${#rows[@]} -gt 0 ]; then
+  python3 scripts/bench.py "${rows[@]}" --commit "${LONGFT_COMMIT:-unknown}" --results "$OUT/results" || rc=1
 fi
+for ((i = 0; i < ${#maxctx[@]}; i += 2)); do
+  ov=${maxctx[i]} gib=${maxctx[i+1]} name=$(basename "${maxctx[i]}" .yaml)
+  work=/tmp/longft-maxctx/$name-${gib}gib
+  mkdir -p "$work"
+  python3 scripts/bench.py "$ov" --write-params "$work" || { rc=1; continue; }
+  python3 -m longft.cli max-context --params "$work/$name.yaml" --gpu-mem "$gib" --confirm \
+    --work "$work" --out "$OUT/results/$name-${gib}gib-maxctx.json" || rc=1
+done
 exit $rc

@@ -1,0 +1,31 @@
+"""scripts/bench.py's overlays: every shipped overlay merges onto params.yaml into valid params, and
+--write-params writes exactly that merge (scripts/gpu_suite.sh --max-context runs from it)."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from longft.config import from_dict, merge
+from longft.pipeline import REPO
+
+OVERLAYS = sorted((REPO / "bench" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.stem)
+def test_every_overlay_gives_valid_params(overlay):
+    over = yaml.safe_load(overlay.read_text())
+    assert over.pop("bench_note"), "each row says what it is"
+    from_dict(merge(yaml.safe_load((REPO / "params.yaml").read_text()), over), str(overlay))
+
+
+def test_write_params_writes_the_merge(tmp_path):
+    overlay = REPO / "bench" / "configs" / "maxctx-1b.yaml"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), str(overlay),
+                    "--write-params", str(tmp_path)], check=True, cwd=tmp_path)
+    written = yaml.safe_load((tmp_path / "maxctx-1b.yaml").read_text())
+    cfg = from_dict(written, "written")
+    assert cfg.model.name == "llama3.2-1b" and cfg.zero.offload_optimizer == "cpu"
+    assert cfg.checkpointing.mode == "gpu" and "bench_note" not in written
+    assert not list((tmp_path).glob("*.json")), "nothing was run"
