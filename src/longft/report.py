@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from longft.atomic import write_text
 from longft.config import Config, ConfigError, from_dict
 
 COLUMNS = ("Setup", "Model", "Context Length", "Peak VRAM (MiB)", "Peak DRAM (GiB)",
@@ -355,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
     text = render_table(rows, notes + more, source, names=args.names)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        write_text(args.out, text)  # a reader never sees half a table
         print(f"longft report: {len(rows)} row(s) -> {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import yaml
 
+from longft.atomic import write_text
 from longft.config import ConfigError, from_dict, merge
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -191,7 +192,7 @@ def write_overlays(rows: list[GridRow], out_dir: Path, note: str) -> list[Path]:
     for row in rows:
         path = out_dir / f"{row.name or f'row{row.number}'}.yaml"
         doc = {"bench_note": f"{note} {row.label}", **_nest(row.overrides)}
-        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        write_text(path, yaml.safe_dump(doc, sort_keys=False))
         paths.append(path)
     return paths
 
