@@ -118,7 +118,10 @@ def test_estimate_counts_each_kept_output_until_its_backward():
     # 8 layers x 128,000 tokens x 32 heads x (128 x 2 B output + 4 B log-sum-exp), by hand
     per = 8 * 128000 * 32 * (128 * 2 + 4)
     assert per == 8_519_680_000
-    assert kept.gpu_allocated - plain.gpu_allocated == per
+    assert kept.gpu_phases["loss"] - plain.gpu_phases["loss"] == per
+    # in backward the recomputed layer's kept output is one of its saved tensors, counted there
+    assert kept.gpu_phases["backward"] - plain.gpu_phases["backward"] == per * 7 // 8
+    assert kept.gpu_peak_phase == "backward"
     assert kept.host_rss == plain.host_rss
 
 
@@ -142,25 +145,13 @@ def test_planner_keeps_attention_before_checkpoints_and_ranks_it_faster():
 def test_pipeline_keeps_attention_under_zero3_with_the_plain_losses(tmp_path):
     """Through the real stages under ZeRO-3 (DeepSpeed's CPU accelerator), where parameters are
     fetched by hooks inside each checkpointed layer, with the tiled MLP's skipped recompute too."""
-    import json
-
-    import yaml
-
-    from longft.pipeline import REPO, run_all
+    from test_tiled import pipeline_losses
 
     def run(work, keep):
-        work.mkdir()
-        params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
-                       {"kernels": {"tiled_mlp": "on", "tiled_mlp_tokens": 1000},
-                        "checkpointing": {"mode": "gpu", "keep_attention": keep},
-                        "data": {"num_samples": 3},
-                        "train": {"iterations": 2, "warmup_iterations": 1},
-                        "output": {"save_checkpoint": False, "export": False}})
-        (work / "params.yaml").write_text(yaml.safe_dump(params))
-        run_all(work / "params.yaml", work, ("prepare", "patch", "train"))
-        plan = json.loads((work / "artifacts" / "plan.json").read_text())
-        lines = (work / "run" / "rank0.jsonl").read_text().splitlines()
-        return plan, [r["loss"] for r in map(json.loads, lines) if r["type"] == "iter"]
+        return pipeline_losses(work, {"kernels": {"tiled_mlp": "on", "tiled_mlp_tokens": 1000},
+                                      "checkpointing": {"mode": "gpu", "keep_attention": keep},
+                                      "data": {"num_samples": 3},
+                                      "train": {"iterations": 2, "warmup_iterations": 1}})
 
     plan_kept, kept = run(tmp_path / "kept", 2)
     _, plain = run(tmp_path / "plain", 0)

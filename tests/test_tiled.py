@@ -156,20 +156,25 @@ def test_estimate_drops_the_mlp_intermediates():
     assert plain - tiled_saved == 3 * 14336 * 2
 
 
+def pipeline_losses(work, overlay: dict) -> tuple[dict, list[float]]:
+    """Run prepare -> patch -> train on params.yaml + overlay (no checkpoints, no export) in work;
+    return (artifacts/plan.json, the per-step losses of rank 0)."""
+    work.mkdir()
+    base = {"output": {"save_checkpoint": False, "export": False}}
+    params = merge(merge(yaml.safe_load((REPO / "params.yaml").read_text()), base), overlay)
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    run_all(work / "params.yaml", work, ("prepare", "patch", "train"))
+    plan = json.loads((work / "artifacts" / "plan.json").read_text())
+    lines = (work / "run" / "rank0.jsonl").read_text().splitlines()
+    return plan, [r["loss"] for r in map(json.loads, lines) if r["type"] == "iter"]
+
+
 @pytest.mark.slow
 def test_pipeline_with_tiled_mlp_matches_the_plain_run_under_zero3(tmp_path):
     def run(work, mode):
-        work.mkdir()
-        params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
-                       {"kernels": {"tiled_mlp": mode, "tiled_mlp_tokens": 1000},
-                        "data": {"num_samples": 4},
-                        "train": {"iterations": 3, "warmup_iterations": 1},
-                        "output": {"save_checkpoint": False, "export": False}})
-        (work / "params.yaml").write_text(yaml.safe_dump(params))
-        run_all(work / "params.yaml", work, ("prepare", "patch", "train"))
-        plan = json.loads((work / "artifacts" / "plan.json").read_text())
-        lines = (work / "run" / "rank0.jsonl").read_text().splitlines()
-        return plan, [r["loss"] for r in map(json.loads, lines) if r["type"] == "iter"]
+        return pipeline_losses(work, {"kernels": {"tiled_mlp": mode, "tiled_mlp_tokens": 1000},
+                                      "data": {"num_samples": 4},
+                                      "train": {"iterations": 3, "warmup_iterations": 1}})
 
     plan_off, off = run(tmp_path / "off", "off")
     plan_on, on = run(tmp_path / "on", "on")

@@ -159,8 +159,12 @@ def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
     if s.keep_attention and s.checkpointing != "none":
         H = n.a["H"]
         k = min(s.keep_attention, L)
-        gpu("attention outputs kept (keep_attention)", k * T * H * (d * x + 4), FB,
-            f"keep_attention {k} x micro x seq x heads {H} x (head_dim x {x} B + 4 B log-sum-exp)")
+        per = T * H * (d * x + 4)
+        f = f"micro x seq x heads {H} x (head_dim x {x} B + 4 B log-sum-exp)"
+        gpu("attention outputs kept (keep_attention)", k * per, ("loss",), f"keep_attention {k} x {f}")
+        if k > 1:  # in backward the recomputed layer's kept output is one of its saved tensors
+            gpu("attention outputs kept, besides the recomputed layer's", (k - 1) * per,
+                ("backward",), f"(keep_attention {k} - 1) x {f}")
     n_saved = L if s.checkpointing == "none" else 1
     gpu("saved tensors of " + ("all layers" if n_saved > 1 else "the recomputed layer"),
         n_saved * T * act["saved"], FB if n_saved > 1 else ("backward",),
