@@ -16,7 +16,8 @@ def _bench_rows():
     """Rows measured with the current engine (bench/results/*.json; bench/results/archive/ holds
     rows of earlier engines) that ran to the end on an H200."""
     rows = []
-    for p in sorted((REPO / "bench" / "results").glob("h200*.json")):
+    for p in sorted(q for pat in ("h200*.json", "v100*.json")
+                    for q in (REPO / "bench" / "results").glob(pat)):
         row = json.loads(p.read_text())
         if row.get("status") == "ok" and "tiny" not in row["params"]["model"]["name"]:
             rows.append(p)

@@ -193,3 +193,20 @@ def test_cli_dispatches_here(on, tmp_path, capsys):
 def test_module_docstring_shows_the_commands():
     for cmd in ("longft estimate", "longft plan", "longft max-context"):
         assert cmd in estimate_cli.__doc__
+
+
+def test_near_ties_go_to_the_placement_using_less_of_the_machine():
+    """Llama-3.1-8B at 128,000 tokens on 8 x 139 GiB with 504 GiB of host RAM: offloading the
+    optimizer is within 2 % of keeping everything on the GPUs, and would spare GPU memory nothing
+    needs by filling ~170 GiB of host RAM; the plan keeps everything on the GPUs."""
+    import json
+
+    from longft.pipeline import REPO
+
+    arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
+    base = Setup(micro_batch=1, seq_len=128000, tiled_mlp=True, world_size=8, ranks_per_node=8)
+    cands = search(arch, base, 139, 504, "NVIDIA H200", max_micro=2)
+    choice = best(cands, gpu_mem_gib=139, host_mem_gib=504)
+    assert choice.offload == "none" and choice.est.host_rss < 40 * GIB
+    # without the machine's sizes the old rule (least GPU memory) takes an offloading one
+    assert best(cands).offload != "none"

@@ -185,7 +185,7 @@ def cmd_plan(argv: list[str]) -> int:
             print(f"  offload {c.offload:9s} checkpointing {c.setup.checkpointing:11s} micro-batch "
                   f"{c.setup.micro_batch:3d}: ~{c.tokens_per_s:,.0f} tok/s, GPU "
                   f"{c.est.gpu_nvml / GIB:.1f} GiB, host {c.est.host_rss / GIB:.1f} GiB")
-    choice = best(cands)
+    choice = best(cands, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem)
     if choice is None:
         closest = min(cands, key=lambda c: c.overshoot(a.gpu_mem, a.host_mem))
         print(f"\nnothing fits. Closest: offload {closest.offload}, checkpointing "

@@ -155,14 +155,22 @@ def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu
     return out
 
 
-def best(cands: list[Candidate], within: float = 0.02) -> Candidate | None:
-    """The fastest fitting candidate; among those within `within` of the fastest, the one needing
-    the least GPU memory (a larger micro-batch only helps up to a point, headroom always does)."""
+def best(cands: list[Candidate], within: float = 0.02, gpu_mem_gib: float | None = None,
+         host_mem_gib: float | None = None) -> Candidate | None:
+    """The fastest fitting candidate; among those within `within` of the fastest, the one that uses
+    the least of the machine: the smallest sum of the GPU's and the host's shares used when both
+    sizes are given (so a near-tie is not won by filling host RAM to spare GPU memory nothing
+    needs), else the least GPU memory (a larger micro-batch only helps up to a point, headroom
+    always does)."""
     ok = [c for c in cands if c.fit.ok]
     if not ok:
         return None
     top = max(c.tokens_per_s for c in ok)
     near = [c for c in ok if c.tokens_per_s >= (1 - within) * top]
+    if gpu_mem_gib and host_mem_gib:
+        def used(c: Candidate) -> float:
+            return c.est.gpu_nvml / (gpu_mem_gib * GIB) + c.est.host_rss / (host_mem_gib * GIB)
+        return min(near, key=lambda c: (round(used(c), 3), c.gpu_need, -c.tokens_per_s))
     return min(near, key=lambda c: (c.gpu_need, -c.tokens_per_s))
 
 
