@@ -202,11 +202,16 @@ def test_near_ties_go_to_the_placement_using_less_of_the_machine():
     import json
 
     from longft.pipeline import REPO
+    from longft.placement import overlay
 
     arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
     base = Setup(micro_batch=1, seq_len=128000, tiled_mlp=True, world_size=8, ranks_per_node=8)
     cands = search(arch, base, 139, 504, "NVIDIA H200", max_micro=2)
     choice = best(cands, gpu_mem_gib=139, host_mem_gib=504)
     assert choice.offload == "none" and choice.est.host_rss < 40 * GIB
+    # the overlay writes both knobs even where the plan keeps none: merged onto a params file that
+    # sets them, the params' values must not survive
+    ov = overlay("llama3.1-8b", choice, 8, shipped=True)["checkpointing"]
+    assert ov["gpu_layers"] == 0 and "keep_attention" in ov
     # without the machine's sizes the old rule (least GPU memory) takes an offloading one
     assert best(cands).offload != "none"

@@ -85,6 +85,48 @@ def test_patch_refuses_what_cannot_keep_attention():
         patch.apply(tiny_model(), liger=False, checkpointing="gpu", sdpa_backend="math",
                     keep_attention=1)
     assert patch.apply(tiny_model(), liger=False, checkpointing="gpu")["attention_kept_layers"] == 0
+    dropout = tiny_model()
+    dropout.config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="needs attention_dropout 0"):
+        patch.apply(dropout, liger=False, checkpointing="gpu", keep_attention=1)
+    fa2 = tiny_model()  # flash-attn is not installed here: no flash_attn torch ops
+    fa2.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="flash-attn 2.7"):
+        patch.apply(fa2, liger=False, checkpointing="gpu", keep_attention=1)
+
+
+def test_a_kept_output_goes_back_only_to_the_kernel_that_made_it():
+    from collections import deque
+
+    from longft.keep_attention import KeptKernels
+
+    q = torch.randn(1, 2, 8, 4)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    kept = deque()
+    with KeptKernels({flash}, kept, replay=False):
+        out = flash(q, q, q)
+    assert len(kept) == 1 and kept[0][0] is flash
+    other = torch.ops.aten.mul.Tensor
+    before = KeptKernels.replayed_total
+    with KeptKernels({flash, other}, kept, replay=True):
+        doubled = other(q, 2)           # another kernel: runs, the kept output stays
+        again = flash(q, q, q)          # the kernel that made it: gets it back, does not run
+    assert torch.equal(doubled, q * 2) and not kept
+    assert again[0] is not out[0] and torch.equal(again[0], out[0])
+    assert KeptKernels.replayed_total == before + 1
+
+
+def test_trainer_warns_when_nothing_was_kept(capsys, monkeypatch):
+    from longft import trainer
+    from longft.keep_attention import KeptKernels
+
+    monkeypatch.setattr(KeptKernels, "replayed_total", 0)
+    trainer._warn_if_no_attention_kept({"attention_kept_layers": 2})
+    assert "kept no attention output" in capsys.readouterr().out
+    monkeypatch.setattr(KeptKernels, "replayed_total", 3)
+    trainer._warn_if_no_attention_kept({"attention_kept_layers": 2})
+    trainer._warn_if_no_attention_kept({"attention_kept_layers": 0})
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("section,match", [

@@ -76,6 +76,11 @@ def test_out_of_memory_is_told_apart_from_other_failures():
     assert memory_failure("train", "RuntimeError: CUDA error: out of memory") == "CUDA out of memory"
     assert "host RAM" in memory_failure("train", "longft train: not enough host RAM for this run: ")
     assert memory_failure("train", "RuntimeError: NCCL error") is None
+    assert memory_failure("train", "CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate") == \
+        "CUDA out of memory"
+    killed = "[launch.py:350:sigkill_handler] ... exiting with return code = -9"
+    assert "killed" in memory_failure("train", killed)
+    assert memory_failure("train", "exiting with return code = -6") is None  # an abort is an error
     assert memory_failure("patch", "CUDA out of memory") is None    # only a training run "fits"
 
 
@@ -240,3 +245,16 @@ def test_auto_tiling_is_searched_where_it_applies():
     seq, tiled = _max_context_auto_tiled(arch, base, 6, None, None, 1 << 20)
     assert not tiled and 0 < seq < 65536
     assert seq == max_context(arch, dataclasses.replace(base, tiled_mlp=False), 6, None, None)
+
+
+def test_a_confirmed_length_below_the_tiling_threshold_says_to_pin_tiling(tmp_path, on, fake, capsys):
+    """The runs pin the tiled MLP the estimate used (on, above 65,536); if only a shorter length
+    trains, auto would run that one untiled: the command says to pin it."""
+    on(H200)
+    fake(Fake(limit=60 * K))
+    args = ["--params", params_1b(tmp_path), "--gpu-mem", "16", "--host-mem", "120", "--confirm",
+            "--work", str(tmp_path / "w")]
+    assert main("max-context", args) == 0
+    rep = json.loads((tmp_path / "w" / "max_context.json").read_text())
+    assert rep["confirmed_max_seq"] < 65536
+    assert "set kernels.tiled_mlp: on to train it" in capsys.readouterr().out

@@ -29,6 +29,7 @@ reports the bracket between the longest length that fits and the shortest that d
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Callable
 from .config import ConfigError, from_dict, merge
 from .estimate_cli import SEQ_STEP
 from .estimate_types import CUDA_CONTEXT_BYTES, GIB
+from .hardware import TILED_MLP_FROM
 
 FITS, NO_FIT, ERROR = "fits", "does not fit", "error"
 CUDA_CONTEXT_GIB = round(CUDA_CONTEXT_BYTES / GIB, 2)
@@ -64,11 +66,17 @@ def memory_failure(stage: str, output: str) -> str | None:
     """Why a failed stage ran out of memory, from its output; None for any other failure."""
     if stage != "train":
         return None
-    # trainer.py's message, torch's OutOfMemoryError in a traceback, or a kernel's failed cudaMalloc
-    if "CUDA out of memory" in output or "CUDA error: out of memory" in output:
+    # trainer.py's message, torch's OutOfMemoryError in a traceback, a kernel's failed cudaMalloc,
+    # or a library's failed workspace allocation
+    if any(m in output for m in ("CUDA out of memory", "CUDA error: out of memory",
+                                 "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")):
         return "CUDA out of memory"
     if "not enough host RAM for this run" in output:  # preflight.host_memory's refusal
         return "host RAM: predicted peak above the RAM available (refused before start)"
+    # DeepSpeed's launcher reports a rank that got SIGKILL: on a run that fills host RAM, the
+    # kernel's out-of-memory killer
+    if re.search(r"return code = -9\b|\bKilled\b|exit(?:ed with)? code 137\b", output):
+        return "host RAM: a rank was killed (SIGKILL, most likely the kernel's out-of-memory killer)"
     return None
 
 
@@ -248,6 +256,10 @@ class Confirmation:
                 f"{estimate['max_seq']:,}" + (f"; {min(fails):,} did not fit" if fails else
                                               "; the longest candidate fitted, so the limit may "
                                               "be higher (--max-seq, or a larger --gpu-mem)"))
+        pinned = (self.params.get("kernels") or {}).get("tiled_mlp")
+        if best and pinned == "on" and best < TILED_MLP_FROM and any("auto is on" in n for n in self.notes):
+            say(f"note: these runs pinned kernels.tiled_mlp on; under auto {best:,} tokens would run "
+                f"untiled (auto tiles from {TILED_MLP_FROM:,}): set kernels.tiled_mlp: on to train it")
         write_json(self.out, report)
         say(f"report: {self.out}")
         return 2 if last.status == ERROR else 0 if best else 1

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_map_only
 
 def kernel_ops() -> set:
     """The attention kernels whose outputs are kept: SDPA's fused kernels (CUDA and CPU) and
-    flash-attn's, where flash-attn registers them as torch ops (2.6 and later)."""
+    flash-attn's, where flash-attn registers them as torch ops (2.7 and later)."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
@@ -38,21 +38,23 @@ def kernel_ops() -> set:
 
 class KeptKernels(TorchDispatchMode):
     """Forward (replay=False): run every op, keep the attention kernels' outputs in `kept`.
-    Recompute (replay=True): hand those outputs back, in order, instead of running the kernels;
-    every other op runs as usual."""
+    Recompute (replay=True): hand those outputs back, in order, instead of running the kernels
+    (only to the same kernel that made them); every other op runs as usual."""
+
+    replayed_total = 0
+    """Kernel calls skipped so far in this process (the trainer checks it after the first step)."""
 
     def __init__(self, ops: set, kept: deque, replay: bool):
         super().__init__()
         self.ops, self.kept, self.replay = ops, kept, replay
-        self.replayed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.ops and self.replay and self.kept:
-            self.replayed += 1
-            return self.kept.popleft()
+        if func in self.ops and self.replay and self.kept and self.kept[0][0] is func:
+            KeptKernels.replayed_total += 1
+            return self.kept.popleft()[1]
         out = func(*args, **(kwargs or {}))
         if func in self.ops and not self.replay:
-            self.kept.append(tree_map_only(torch.Tensor, lambda t: t.detach(), out))
+            self.kept.append((func, tree_map_only(torch.Tensor, lambda t: t.detach(), out)))
         return out
 
 
@@ -60,6 +62,11 @@ def contexts(ops: set):
     """A checkpoint `context_fn`: the forward's and the recompute's modes, sharing one queue."""
     kept: deque = deque()
     return KeptKernels(ops, kept, replay=False), KeptKernels(ops, kept, replay=True)
+
+
+def flash_attn_ops() -> bool:
+    """Whether flash-attn's kernels are torch ops here (flash-attn 2.7 or later)."""
+    return any(getattr(op, "namespace", None) == "flash_attn" for op in kernel_ops())
 
 
 def keep_outputs(layers, n: int) -> int:

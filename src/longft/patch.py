@@ -93,8 +93,17 @@ def _keep_attention(model, checkpointing: str, n: int, sdpa_backend: str = "defa
         raise ValueError(f"checkpointing.keep_attention needs a fused attention kernel (kernels."
                          f"attention sdpa with sdpa_backend other than math, or flash_attention_2) "
                          f"whose outputs can be kept, not {what}; set it to 0 or change the kernel")
-    from .keep_attention import keep_outputs
+    from .keep_attention import flash_attn_ops, keep_outputs
 
+    if getattr(model.config, "attention_dropout", 0.0):
+        raise ValueError(f"checkpointing.keep_attention needs attention_dropout 0 (the model's is "
+                         f"{model.config.attention_dropout}): a skipped kernel would not advance the "
+                         "random state, and the recompute's later dropout masks would differ; set "
+                         "it to 0 or set attention_dropout 0 in the model config")
+    if impl == "flash_attention_2" and not flash_attn_ops():
+        raise ValueError("checkpointing.keep_attention with flash_attention_2 needs flash-attn 2.7 "
+                         "or later (its kernels as torch ops); upgrade flash-attn, use kernels."
+                         "attention sdpa, or set it to 0")
     return keep_outputs(layers, n)
 
 

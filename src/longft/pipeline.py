@@ -104,8 +104,8 @@ def run_params(params: dict, work: Path, source: str = "params.yaml",
     work/params.yaml; every stage's output goes to work/log.txt. The first failing stage ends the
     run: its StageFailed is returned in `failed`, not raised. Once the train stage ran and made a run
     folder, the metrics stage follows (also after a failed run: metrics/train.json is then marked
-    incomplete). metrics/ of an earlier run in the same folder is deleted first, so whatever
-    metrics/ holds afterwards belongs to this run.
+    incomplete). metrics/ and run/ of an earlier run in the same folder are deleted first, so
+    whatever they hold afterwards belongs to this run (these runs never resume).
     """
     import yaml
 
@@ -114,7 +114,9 @@ def run_params(params: dict, work: Path, source: str = "params.yaml",
 
     from_dict(params, source)
     work.mkdir(parents=True, exist_ok=True)
+    # an earlier run's metrics/ and run/ (the train stage clears run/ only once it starts training)
     shutil.rmtree(work / "metrics", ignore_errors=True)
+    shutil.rmtree(work / "run", ignore_errors=True)
     p = work / "params.yaml"
     write_text(p, yaml.safe_dump(params, sort_keys=False))
     t = time.time()

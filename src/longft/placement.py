@@ -184,9 +184,10 @@ def overlay(model: str, c: Candidate, gpus: int, shipped: bool) -> dict:
         # the memory was planned for unpacked rows (packed rows under SDPA need a seq^2 mask)
         "data": {"max_seq_length": s.seq_len, **({} if s.packed else {"pack": False})},
         "hardware": {"num_gpus": gpus},
-        "checkpointing": {"mode": s.checkpointing,
-                          **({"gpu_layers": s.gpu_layers} if s.checkpointing == "cpu_offload" else {}),
-                          **({"keep_attention": s.keep_attention} if s.keep_attention else {})},
+        # both always written: the overlay is merged onto the user's params, whose values would
+        # otherwise survive where the plan chose none
+        "checkpointing": {"mode": s.checkpointing, "gpu_layers": s.gpu_layers,
+                          "keep_attention": s.keep_attention},
         "zero": {"stage": 3, "offload_optimizer": "cpu" if opt else "none",
                  "offload_param": "cpu" if param else "none"},
         "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},

@@ -141,6 +141,17 @@ def _step(engine, batches, accum: int, pad_id: int, now, offloader) -> dict:
                 skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded)
 
 
+def _warn_if_no_attention_kept(patches: dict) -> None:
+    """checkpointing.keep_attention on, but no recompute of the first step reused a kept output:
+    the kernel that ran is not one it can keep (SDPA fell back to its math path for these inputs)."""
+    from .keep_attention import KeptKernels
+
+    if patches.get("attention_kept_layers") and not KeptKernels.replayed_total:
+        print("longft: warning: checkpointing.keep_attention kept no attention output in the first "
+              "step (the attention ran on a kernel it cannot keep, e.g. SDPA's math fallback); it "
+              "costs nothing but saves nothing either", flush=True)
+
+
 def _save(engine, cfg: Config, ckpt_dir: Path, step: int, fp: str) -> None:
     """checkpoints/step-<step>, with the RNG state the resumed run restores."""
     checkpoint.save(engine, ckpt_dir, step, fp, cfg.output.keep_last,
@@ -268,6 +279,8 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                     print("longft: warning: checkpointing.mode cpu_offload moved nothing to the host "
                           "in the first step (layer inputs under 1 MiB, or gradient checkpointing "
                           "was re-enabled after the patch)", flush=True)
+                if step == start + 1 and rank == 0:
+                    _warn_if_no_attention_kept(plan["patches"])
                 if rank == 0:
                     bar.set_postfix(loss=f"{rec['loss']:.4f}",
                                     tok_s=f"{rec['tokens'] * world / rec['time_s']:.0f}")
