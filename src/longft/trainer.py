@@ -4,6 +4,8 @@ hand it to DeepSpeed, run `train.iterations` optimizer steps and log every one t
 
 from __future__ import annotations
 
+import itertools
+
 import math
 import os
 import platform
@@ -72,8 +74,29 @@ def real_tokens(input_ids, labels, pad_id: int) -> int:
     return int(input_ids.numel() - tail)
 
 
-def _batches(loader, sampler):
-    epoch = 0
+class SkipFirst:
+    """A sampler that drops the first `skip` indices of the next epoch it yields, once: on resume
+    the micro-batches the checkpointed run already trained on are skipped without being loaded."""
+
+    def __init__(self, base):
+        self.base, self.skip = base, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.base), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
+def _batches(loader, sampler: SkipFirst, start: int = 0):
+    """Micro-batches, epoch after epoch, from micro-batch `start` on (only the last batch of an
+    epoch can be short, so the first `start % per_epoch` of its epoch are whole batches)."""
+    epoch, within = divmod(start, len(loader))
+    sampler.skip = within * loader.batch_size
     while True:
         sampler.set_epoch(epoch)
         yield from loader
@@ -215,6 +238,7 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                             f"(micro_batch_size x GPUs); raise data.num_samples")
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
                                  seed=cfg.train.seed, drop_last=True)
+    sampler = SkipFirst(sampler)
     loader = DataLoader(data, batch_size=cfg.train.micro_batch_size, sampler=sampler,
                         pin_memory=device == "cuda", num_workers=0)
     batches = _batches(loader, sampler)
@@ -230,10 +254,12 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     if ckpt_dir is not None and cfg.output.resume:
         start, client = checkpoint.resume(engine, ckpt_dir, fp, lambda m: rank == 0 and print(m))
         if start:
-            for _ in range(start * cfg.grad_accum_steps):  # the data position follows the step
-                next(batches)
-            # after the skip: each new DataLoader iterator draws from the RNG, and the saved state
-            # already counts the draws of the run that wrote it
+            # the data position follows the step, without loading the skipped batches
+            batches = _batches(loader, sampler, start * cfg.grad_accum_steps)
+            if (start * cfg.grad_accum_steps) % len(loader):
+                # mid-epoch: the run that wrote the checkpoint made this epoch's DataLoader
+                # iterator (which draws from the RNG) before saving its RNG state; so do we
+                batches = itertools.chain([next(batches)], batches)
             checkpoint.set_rng_state(client.get("rng", {}))
             if rank == 0:
                 print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
