@@ -121,11 +121,11 @@ def test_trainer_warns_when_nothing_was_kept(capsys, monkeypatch):
     from longft.keep_attention import KeptKernels
 
     monkeypatch.setattr(KeptKernels, "replayed_total", 0)
-    trainer._warn_if_no_attention_kept({"attention_kept_layers": 2})
+    trainer._first_step_warnings({"offloaded_bytes": 0}, None, {"attention_kept_layers": 2})
     assert "kept no attention output" in capsys.readouterr().out
     monkeypatch.setattr(KeptKernels, "replayed_total", 3)
-    trainer._warn_if_no_attention_kept({"attention_kept_layers": 2})
-    trainer._warn_if_no_attention_kept({"attention_kept_layers": 0})
+    trainer._first_step_warnings({"offloaded_bytes": 0}, None, {"attention_kept_layers": 2})
+    trainer._first_step_warnings({"offloaded_bytes": 0}, None, {"attention_kept_layers": 0})
     assert capsys.readouterr().out == ""
 
 

@@ -41,3 +41,9 @@ def expand_kv_heads() -> None:
 
     sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
 
+
+def fused_kernel(implementation: str | None, sdpa_backend: str) -> bool:
+    """Whether attention runs on a fused kernel whose outputs `checkpointing.keep_attention` can
+    keep: flash_attention_2, or SDPA with any first choice but the math path."""
+    return implementation == "flash_attention_2" or (implementation == "sdpa"
+                                                     and sdpa_backend != "math")

@@ -63,13 +63,18 @@ def matmul_params(cfg: Any) -> int:
     return n["num_hidden_layers"] * per_layer + h * n["vocab_size"]
 
 
+def attention_flops(cfg: Any, seq_len: int) -> int:
+    """Causal attention's forward FLOPs per token in one layer: 2 * S * d * a."""
+    n = _config_numbers(cfg)
+    return 2 * seq_len * n["head_dim"] * n["num_attention_heads"]
+
+
 def flops_per_token(cfg: Any, seq_len: int, training: bool = True) -> float:
     """Model FLOPs per token (formula in the module docstring); x3 for a training step."""
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     n = _config_numbers(cfg)
-    attention = 2 * n["num_hidden_layers"] * seq_len * n["head_dim"] * n["num_attention_heads"]
-    forward = 2 * matmul_params(cfg) + attention
+    forward = 2 * matmul_params(cfg) + n["num_hidden_layers"] * attention_flops(cfg, seq_len)
     return float(3 * forward if training else forward)
 
 

@@ -88,7 +88,7 @@ def _keep_attention(model, checkpointing: str, n: int, sdpa_backend: str = "defa
     if n > len(layers):
         raise ValueError(f"checkpointing.keep_attention is {n} but the model has {len(layers)} "
                          f"decoder layers; use at most {len(layers)}")
-    if impl not in ("sdpa", "flash_attention_2") or (impl == "sdpa" and sdpa_backend == "math"):
+    if not attention.fused_kernel(impl, sdpa_backend):
         what = "sdpa_backend math" if impl == "sdpa" else impl
         raise ValueError(f"checkpointing.keep_attention needs a fused attention kernel (kernels."
                          f"attention sdpa with sdpa_backend other than math, or flash_attention_2) "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .attention import fused_kernel
 from .estimate import GIB, Estimate, Fit, Setup, estimate, fits, param_numels
 from .tiled import skips_recompute, tiles
 
@@ -37,7 +38,7 @@ GPU_ADAM_BYTES_PER_S = 1.5e12
 
 def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     """Predicted seconds of one optimizer step (grad_accum micro-steps) on one rank."""
-    from .flops import flops_per_token, peak_flops
+    from .flops import attention_flops, flops_per_token, peak_flops
 
     T = s.micro_batch * s.seq_len
     w = 4 if s.precision == "fp32" else 2
@@ -48,8 +49,8 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     micro *= 1 + MICRO_OVERHEAD_TOKENS / T
     skipped = skips_recompute(s.checkpointing, arch.get("model_type"))
     if s.checkpointing != "none" and s.keep_attention:  # their attention forward runs once
-        attn = 2 * s.seq_len * arch["head_dim"] * arch["num_attention_heads"]
-        micro -= T * attn * min(s.keep_attention, arch["num_hidden_layers"]) / (ACHIEVED_FRACTION * peak)
+        kept = min(s.keep_attention, arch["num_hidden_layers"])
+        micro -= T * attention_flops(arch, s.seq_len) * kept / (ACHIEVED_FRACTION * peak)
     if s.tiled_mlp and tiles(T, s.tile_tokens) > 1 and not skipped:  # one more MLP forward
         mlp = 2 * 3 * arch["hidden_size"] * arch["intermediate_size"] * arch["num_hidden_layers"]
         micro += T * mlp / (ACHIEVED_FRACTION * peak)
@@ -121,11 +122,9 @@ def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | 
         def host_over(n: int) -> bool:   # host RAM falls as layers stay on the GPU
             return not fits(estimate(arch, dataclasses.replace(s, gpu_layers=n, keep_attention=0)),
                             None, host_mem_gib).host_ok
-        g = max(0, _largest(host_over, 0, L) + 1) if host_over(0) else 0
-        g = min(g, L)
+        g = min(_largest(host_over, 0, L) + 1, L)   # the fewest kept that the host needs
     k = 0
-    fused = s.attention == "flash_attention_2" or (s.attention == "sdpa" and s.sdpa_backend != "math")
-    if s.checkpointing in ("gpu", "cpu_offload") and fused:  # keep_attention needs a fused kernel
+    if s.checkpointing in ("gpu", "cpu_offload") and fused_kernel(s.attention, s.sdpa_backend):
         k = max(0, _largest(lambda n: gpu_ok(gpu_layers=g, keep_attention=n), 0, L))
     if s.checkpointing == "cpu_offload":
         g = max(g, _largest(lambda n: gpu_ok(gpu_layers=n, keep_attention=k), g, L))

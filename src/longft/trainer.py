@@ -5,7 +5,6 @@ hand it to DeepSpeed, run `train.iterations` optimizer steps and log every one t
 from __future__ import annotations
 
 import itertools
-
 import math
 import os
 import platform
@@ -164,11 +163,14 @@ def _step(engine, batches, accum: int, pad_id: int, now, offloader) -> dict:
                 skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded)
 
 
-def _warn_if_no_attention_kept(patches: dict) -> None:
-    """checkpointing.keep_attention on, but no recompute of the first step reused a kept output:
-    the kernel that ran is not one it can keep (SDPA fell back to its math path for these inputs)."""
+def _first_step_warnings(rec: dict, offloader, patches: dict) -> None:
+    """A memory technique that was asked for but did nothing in the first step."""
     from .keep_attention import KeptKernels
 
+    if offloader is not None and not rec["offloaded_bytes"]:
+        print("longft: warning: checkpointing.mode cpu_offload moved nothing to the host in the "
+              "first step (layer inputs under 1 MiB, or gradient checkpointing was re-enabled "
+              "after the patch)", flush=True)
     if patches.get("attention_kept_layers") and not KeptKernels.replayed_total:
         print("longft: warning: checkpointing.keep_attention kept no attention output in the first "
               "step (the attention ran on a kernel it cannot keep, e.g. SDPA's math fallback); it "
@@ -241,7 +243,6 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     sampler = SkipFirst(sampler)
     loader = DataLoader(data, batch_size=cfg.train.micro_batch_size, sampler=sampler,
                         pin_memory=device == "cuda", num_workers=0)
-    batches = _batches(loader, sampler)
     pad_id = int(data.meta["pad_token_id"]) if data.meta.get("pad_token_id") is not None else -1
 
     model, _keep, offloader = _build(cfg, plan, ds)
@@ -253,16 +254,16 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
     start = 0
     if ckpt_dir is not None and cfg.output.resume:
         start, client = checkpoint.resume(engine, ckpt_dir, fp, lambda m: rank == 0 and print(m))
-        if start:
-            # the data position follows the step, without loading the skipped batches
-            batches = _batches(loader, sampler, start * cfg.grad_accum_steps)
-            if (start * cfg.grad_accum_steps) % len(loader):
-                # mid-epoch: the run that wrote the checkpoint made this epoch's DataLoader
-                # iterator (which draws from the RNG) before saving its RNG state; so do we
-                batches = itertools.chain([next(batches)], batches)
-            checkpoint.set_rng_state(client.get("rng", {}))
-            if rank == 0:
-                print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
+    # the data position follows the step, without loading the skipped batches
+    batches = _batches(loader, sampler, start * cfg.grad_accum_steps)
+    if start:
+        if (start * cfg.grad_accum_steps) % len(loader):
+            # mid-epoch: the run that wrote the checkpoint made this epoch's DataLoader iterator
+            # (which draws from the RNG) before saving its RNG state; so do we
+            batches = itertools.chain([next(batches)], batches)
+        checkpoint.set_rng_state(client.get("rng", {}))
+        if rank == 0:
+            print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
     if cuda:
         # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
         # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
@@ -300,13 +301,8 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                            max_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
                            max_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
                 log.write("iter", **rec)
-                if offloader is not None and step == start + 1 and not rec["offloaded_bytes"] \
-                        and rank == 0:
-                    print("longft: warning: checkpointing.mode cpu_offload moved nothing to the host "
-                          "in the first step (layer inputs under 1 MiB, or gradient checkpointing "
-                          "was re-enabled after the patch)", flush=True)
                 if step == start + 1 and rank == 0:
-                    _warn_if_no_attention_kept(plan["patches"])
+                    _first_step_warnings(rec, offloader, plan["patches"])
                 if rank == 0:
                     bar.set_postfix(loss=f"{rec['loss']:.4f}",
                                     tok_s=f"{rec['tokens'] * world / rec['time_s']:.0f}")
