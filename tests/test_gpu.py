@@ -258,8 +258,8 @@ def test_keep_attention_skips_the_cudnn_forward_in_backward_with_the_same_grads(
                 loss.backward()
         return loss.detach(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}, held, Count.n
 
-    loss_ref, g_ref, held_ref, n_ref = run()
-    _, g_again, _, _ = run()
+    loss_ref, g_ref, _, n_ref = run()
+    _, g_again, held_ref, _ = run()   # the second run's: lazy workspaces (cuBLAS, cuDNN) exist by then
     assert n_ref == 8  # every layer's recompute ran cuDNN's forward
     assert keep_outputs(decoder_layers(model), 4) == 4
     loss, g, held, n = run()
@@ -270,6 +270,8 @@ def test_keep_attention_skips_the_cudnn_forward_in_backward_with_the_same_grads(
         err = (g[name] - g_ref[name]).norm()
         assert err <= max(2 * noise, 1e-2 * g_ref[name].norm()), (name, float(err), float(noise))
     # 4 layers x 8192 tokens x 8 heads x (128 x 2 B output + 4 B fp32 log-sum-exp), plus cuDNN's
-    # tiny seed/offset tensors (measured: kept + 4,608 B)
+    # tiny seed/offset tensors (measured: kept + 4,608 B), and in some runs one more 1 MiB allocator
+    # block (measured at 6d93e57 against the first run: kept + 1 MiB + 4,608 B in the suite, + 32 MiB
+    # + 4,608 B alone: the first backward's lazy workspaces)
     kept = 4 * 8192 * 8 * (128 * 2 + 4)
-    assert kept <= held - held_ref <= kept + 4 * 4096, (held - held_ref, kept)
+    assert kept <= held - held_ref <= kept + (1 << 20) + 4 * 4096, (held - held_ref, kept)

@@ -9,7 +9,8 @@ It returns every item in bytes: model states, gathered parameters, activation ch
 working set of the one decoder layer being recomputed, the loss, DeepSpeed buffers and pinned host
 buffers. The GPU peak is the largest of three moments of an iteration (end of the fused loss,
 backward of the last decoder layer, optimizer step) and predicts torch's max allocated memory; the
-host peak is the steady state after the first optimizer step and predicts the process-tree RSS.
+host peak is the larger of the start-up peak and the steady state after the first optimizer step,
+and predicts the process-tree RSS.
 
 Every formula, where each tensor comes from (DeepSpeed 0.19 / torch 2.11 / transformers 5 / Liger
 0.8 code paths) and the calibration on the H200 rows are in docs/estimator.md.
@@ -28,20 +29,22 @@ from __future__ import annotations
 from .estimate_arch import numbers, param_numels, sub_groups, zero_knobs
 from .estimate_format import describe, format_table, gib, to_dict
 from .estimate_gpu import gpu_activation_items, gpu_state_items, layer_activation_bytes, reuse_layers
-from .estimate_host import host_items, pinned, pinned_pool
+from .estimate_host import host_items, host_peak, pinned, pinned_pool
 from .estimate_types import (CUDA_CONTEXT_BYTES, GIB, LAUNCHER_BASE_BYTES, PHASES, RANK_BASE_BYTES,
+                             SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES,
                              Estimate, Fit, Item, Setup, reserved_factor)
 
 __all__ = [
     # entry points
     "estimate", "setup_from_config", "estimate_for_plan", "compare", "fits",
     # estimate_types
-    "GIB", "PHASES", "CUDA_CONTEXT_BYTES", "RANK_BASE_BYTES", "LAUNCHER_BASE_BYTES",
+    "GIB", "PHASES", "CUDA_CONTEXT_BYTES", "RANK_BASE_BYTES", "LAUNCHER_BASE_BYTES", "SETUP_RANK_BYTES",
+    "SETUP_LAUNCHER_BYTES",
     "Setup", "Item", "Estimate", "Fit",
     # estimate_arch
     "param_numels", "sub_groups", "zero_knobs",
     # estimate_gpu, estimate_host
-    "layer_activation_bytes", "reuse_layers", "pinned", "pinned_pool",
+    "layer_activation_bytes", "reuse_layers", "pinned", "pinned_pool", "host_peak",
     # estimate_format
     "describe", "format_table", "to_dict",
 ]
@@ -64,10 +67,11 @@ def estimate(arch: dict, s: Setup) -> Estimate:
                           f"{s.ranks_per_node} rank(s) x the {peak_phase} total of the GPU items"))
         alloc = 0
     reserved = int(alloc * reserved_factor(s.expandable_segments))
+    host_phase, host_totals = host_peak(items)
     return Estimate(setup=s, items=tuple(items), gpu_phases=phases, gpu_peak_phase=peak_phase,
                     gpu_allocated=alloc, gpu_reserved=reserved,
                     gpu_nvml=reserved + CUDA_CONTEXT_BYTES if s.device == "cuda" else 0,
-                    host_rss=sum(i.bytes for i in items if i.where == "host"))
+                    host_rss=host_totals[host_phase])
 
 
 def _value(resolved: dict, key: str, default):

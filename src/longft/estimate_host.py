@@ -5,8 +5,9 @@ torch's power-of-two host caching allocator) and CPU Adam's states.
 from __future__ import annotations
 
 from .estimate_arch import Numbers, share
-from .estimate_types import (CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES, GIB, LAUNCHER_BASE_BYTES,
-                             OFFLOAD_MIN_BYTES, RANK_BASE_BYTES, Item, Setup)
+from .estimate_types import (CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES, GIB, HOST_PHASES,
+                             LAUNCHER_BASE_BYTES, OFFLOAD_MIN_BYTES, RANK_BASE_BYTES,
+                             SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES, Item, Setup)
 
 
 def pinned(n: int) -> int:
@@ -54,14 +55,27 @@ def pinned_pool(events: list[tuple[str, str, int]], rounding: bool = True
     return live, resident
 
 
+def host_peak(items: list[Item]) -> tuple[str, dict[str, int]]:
+    """The host moment with the most RSS (start-up or training) and the totals of both."""
+    totals = {p: sum(i.bytes for i in items if i.where == "host" and p in i.phases)
+              for p in HOST_PHASES}
+    return max(HOST_PHASES, key=lambda p: totals[p]), totals
+
+
 def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
-    """Per node: process baseline, pinned buffers (replayed through torch's host cache), CPU Adam."""
+    """Per node: process baseline (and its start-up peak), pinned buffers (replayed through torch's
+    host cache), CPU Adam."""
     R, w, N, z3 = s.ranks_per_node, n.w, s.world_size, s.zero_stage == 3
     cuda = s.device == "cuda"
     launcher, rank = ((LAUNCHER_BASE_BYTES, RANK_BASE_BYTES) if cuda
                       else (CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES))
-    out = [Item("process baseline", "host", launcher + R * rank, ("steady",),
+    out = [Item("process baseline", "host", launcher + R * rank, HOST_PHASES,
                 f"launcher {launcher / GIB:.2f} GiB + {R} rank(s) x {rank / GIB:.2f} GiB")]
+    setup = SETUP_LAUNCHER_BYTES + R * SETUP_RANK_BYTES
+    if cuda and setup > out[0].bytes:   # the start-up peak, over before the pinned buffers fill
+        out.append(Item("start-up peak above the baseline (engine setup)", "host", setup - out[0].bytes,
+                        ("setup",), f"launcher {SETUP_LAUNCHER_BYTES / GIB:.2f} GiB + {R} rank(s) x "
+                        f"{SETUP_RANK_BYTES / GIB:.2f} GiB at start-up, less the baseline"))
     events: list[tuple[str, str, int]] = []
     names: dict[str, str] = {}
 

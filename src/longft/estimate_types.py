@@ -13,6 +13,7 @@ from .tiled import TILE_TOKENS
 
 GIB = 2**30
 PHASES = ("loss", "backward", "step")
+HOST_PHASES = ("setup", "steady")
 """GPU moments compared for the peak: end of the forward (fused loss computed), backward of the
 last decoder layer (all checkpoints still held), optimizer step (activations gone)."""
 
@@ -32,13 +33,23 @@ flushes them instead, and the run fits (docs/estimator.md)."""
 
 def reserved_factor(expandable_segments: bool) -> float:
     return RESERVED_FACTOR_EXPANDABLE if expandable_segments else RESERVED_FACTOR
-RANK_BASE_BYTES = int(1.57 * GIB)
-"""Host RSS of one rank with nothing offloaded: python, torch, CUDA/cuBLAS/cuDNN/NCCL libraries,
-the CUDA context's host side, DeepSpeed, transformers."""
-LAUNCHER_BASE_BYTES = int(3.37 * GIB)
-"""Host RSS of the launcher side of the tree (stage process, deepspeed runner and launch). The two
-are solved from H200 row (a), 4.94 GiB with one rank, and its 2-GPU row (e), 6.51 GiB with two
-(bench/results at bb0129c): the second rank added 1.57 GiB."""
+RANK_BASE_BYTES = int(2.02 * GIB)
+"""Steady host RSS of one rank with nothing offloaded, while it trains: python, torch,
+CUDA/cuBLAS/cuDNN/NCCL libraries, the CUDA context's host side, DeepSpeed, transformers."""
+LAUNCHER_BASE_BYTES = int(1.28 * GIB)
+"""Steady host RSS of the launcher side of the tree (stage process, deepspeed runner and launch).
+Solved from the H200 rows whose RSS peak came while training (bench/results at bb0129c and
+6d93e57): six 1-rank rows (a', b, c, c with 16/9, d, 8B with checkpoints on the GPU) leave
+3.22-3.35 GiB beside their predicted pinned and CPU Adam items (3.30 taken), the 2-rank row (e, 8B)
+5.32 GiB: a rank 2.02 GiB, the launcher side 1.28 GiB. The 2-rank figure is one row, where 1 % of
+its 184 GiB of items is 1.8 GiB: the split is the weakest part of this calibration."""
+SETUP_RANK_BYTES = int(1.57 * GIB)
+SETUP_LAUNCHER_BYTES = int(3.37 * GIB)
+"""The start-up peak of the tree (engine setup, before step 1), which the rows with little in host
+memory show as their RSS peak: 4.94 GiB with one rank (rows a, a-fp16) and 6.51 GiB with two
+(row e, 1B), solved as launcher side 3.37 GiB + 1.57 GiB a rank. It is transient: row a' adds 4 GiB
+of pinned checkpoints and peaks at 3.30 + 4.0 = 7.2 GiB, not 4.94 + 4.0. The host peak is the larger
+of the two moments (estimate_host.HOST_PHASES)."""
 CPU_RANK_BASE_BYTES = int(0.74 * GIB)
 CPU_LAUNCHER_BASE_BYTES = int(0.45 * GIB)
 """The same two on a CPU-only run (no CUDA libraries): with the tiny model's tensors they add up to
@@ -106,7 +117,7 @@ class Item:
     name: str
     where: str                       # "gpu" (per rank) or "host" (per node)
     bytes: int
-    phases: tuple[str, ...]          # GPU: the PHASES it is alive in; host: ("steady",)
+    phases: tuple[str, ...]          # GPU: the PHASES it is alive in; host: HOST_PHASES
     formula: str
 
 
