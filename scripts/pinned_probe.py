@@ -3,6 +3,10 @@ two, and do `pinned_max_round_threshold_mb` / `pinned_max_cached_size_mb` (set a
 torch._C._accelerator_setAllocatorSettings) make large blocks exact? Prints one JSON line per case.
 
     python scripts/pinned_probe.py            # runs every case, each in its own process
+
+Seen on the H200 machine (torch 2.11.0+cu130, 2026-11-30): the settings do not exist there (no
+torch._C._accelerator_getAllocatorSettings, no pinned_max_round_threshold in libc10), so every
+pinned block is rounded up to a power of two; torch 2.13 has them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ def case(settings: str) -> dict:
 
     rss0 = psutil.Process().memory_info().rss
     torch.zeros(1, device="cuda")                       # CUDA context first: not counted below
+    if not hasattr(torch._C, "_accelerator_setAllocatorSettings"):
+        return {"torch": torch.__version__, "settings": settings, "supported": False}
     if settings:
         cur = torch._C._accelerator_getAllocatorSettings()
         torch._C._accelerator_setAllocatorSettings(f"{cur},{settings}" if cur else settings)
