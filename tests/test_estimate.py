@@ -344,3 +344,16 @@ def test_fits_and_table():
     assert not fits(e, 139.8, 125.9, vram_limit_gib=20).ok
     t = format_table(e, small)
     assert "activation checkpoints (GPU)" in t and "<- peak" in t and "does NOT fit" in t
+
+
+def test_optimizer_offload_alone_converts_each_sub_group_on_the_host():
+    """ZeRO-3 with only the optimizer on the CPU: the step copies each fp32 sub-group into the GPU's
+    bf16 partition through a pageable bf16 temporary on the host (the largest: 1,003,012,096 x 2 B
+    for Llama-3.2-1B). With the parameters on the CPU too, the copy stays on the host: none."""
+    name = "step: bf16 copy of the largest sub-group (pageable)"
+    opt = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True))
+    assert items(opt, "host")[name] == 2 * 1_003_012_096
+    both = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, offload_param=True))
+    assert name not in items(both, "host")
+    two = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, world_size=2, ranks_per_node=2))
+    assert items(two, "host")[name] == 2 * 2 * max(sub_groups([-(-n // 2) for _, n in param_numels(LLAMA_1B)]))

@@ -116,3 +116,32 @@ def test_host_peak_is_the_larger_moment_on_the_measured_rows():
         assert est["host"]["peak_moment"] == measured, (path.name, dram)
         seen.add(measured)
     assert seen == {"setup", "steady"}
+
+
+def test_max_context_gpu_runs_within_10_percent():
+    """`longft max-context --confirm` on the H200 (bench/results/maxctx-1b-16gib-maxctx.json): the
+    run that fitted, re-estimated from its overlay at its length, within 10 % (allocated, host)."""
+    import yaml
+
+    from longft.config import merge
+    from longft.estimate import GIB, estimate, setup_from_config
+    from longft.hardware import Hardware, resolve
+    from longft.model import load_model_config
+    from longft.plan import architecture
+
+    report = json.loads((REPO / "bench/results/maxctx-1b-16gib-maxctx.json").read_text())
+    run = next(r for r in report["runs"] if r["status"] == "fits")
+    assert run["seq"] == report["confirmed_max_seq"]
+    over = yaml.safe_load((REPO / "bench/configs/maxctx-1b.yaml").read_text())
+    over.pop("bench_note")
+    over = merge(over, {"data": {"max_seq_length": run["seq"]}, "kernels": {"tiled_mlp": "on"},
+                        "hardware": {"vram_limit_gib": report["vram_limit_gib"]}})
+    cfg = from_dict(merge(yaml.safe_load((REPO / "params.yaml").read_text()), over))
+    arch = architecture(load_model_config(cfg.model))
+    h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
+                    gpu_mem_gib=139.8, host_mem_gib=251.8, cpu_count=32, flash_attn=False, liger=True)
+    resolved = {k: c.value for k, c in resolve(cfg, h200, arch["model_type"]).items()}
+    est = estimate(arch, setup_from_config(cfg, resolved))
+    measured = run["measured"]
+    assert abs(est.gpu_allocated / GIB / measured["vram_allocated_gib"] - 1) < 0.10
+    assert abs(est.host_rss / GIB / measured["host_rss_gib"] - 1) < 0.10

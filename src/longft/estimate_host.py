@@ -120,6 +120,13 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         out.append(Item("pinned blocks cached (freed, not reused)", "host",
                         R * (resident - sum(live.values())), ("steady",),
                         "freed pinned blocks kept in torch's host cache"))
+    if s.offload_optimizer and z3 and not s.offload_param:
+        # the step copies each sub-group's fp32 master into the GPU's bf16 partition; a CPU -> GPU
+        # copy_ that changes dtype converts on the CPU first (ATen copy_kernel_cuda), into a
+        # pageable temporary that lives while the copy runs
+        g = max(n.groups)
+        out.append(Item("step: bf16 copy of the largest sub-group (pageable)", "host", R * w * g,
+                        ("steady",), f"{R} rank(s) x {w} B x {g:,} elements, during the step"))
     if s.offload_optimizer:
         if z3:
             out.append(Item("optimizer: fp32 master", "host", R * 4 * n.Pt_r, ("steady",),
