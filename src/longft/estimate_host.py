@@ -27,32 +27,38 @@ def pinned_pool(events: list[tuple[str, str, int]], rounding: bool = True
     (rounded bytes of the blocks still allocated, by key) and the resident total (all blocks).
     rounding=False (a CPU run: pin_memory does nothing) keeps sizes and frees for real.
     """
-    if not rounding:
-        live = {}
-        for op, key, n in events:
-            if op == "alloc":
-                live[key] = n
-            elif op == "free":
-                live.pop(key)
-        return live, sum(live.values())
+    live, resident, _ = _replay(events, rounding)
+    return live, resident
+
+
+def pinned_peak(events: list[tuple[str, str, int]], rounding: bool = True) -> int:
+    """The most resident bytes at any point of the same replay (pinned_pool)."""
+    return _replay(events, rounding)[2]
+
+
+def _replay(events, rounding: bool) -> tuple[dict[str, int], int, int]:
+    """(live blocks by key, resident total at the end, resident peak) of pinned_pool's replay."""
     free: dict[int, int] = {}
     live: dict[str, int] = {}
-    resident = 0
+    resident = peak = 0
     for op, key, n in events:
         if op == "empty":
             resident -= sum(size * count for size, count in free.items())
             free = {}
         elif op == "alloc":
-            r = pinned(n)
-            if free.get(r, 0) > 0:
+            r = pinned(n) if rounding else n
+            if rounding and free.get(r, 0) > 0:
                 free[r] -= 1
             else:
                 resident += r
             live[key] = r
-        else:
+        elif rounding:
             r = live.pop(key)
             free[r] = free.get(r, 0) + 1
-    return live, resident
+        else:                      # not pinned: freed for real
+            resident -= live.pop(key)
+        peak = max(peak, resident)
+    return live, resident, peak
 
 
 def host_peak(items: list[Item]) -> tuple[str, dict[str, int]]:
@@ -73,7 +79,7 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
                 f"launcher {launcher / GIB:.2f} GiB + {R} rank(s) x {rank / GIB:.2f} GiB")]
     setup = SETUP_LAUNCHER_BYTES + R * SETUP_RANK_BYTES
     if cuda and setup > out[0].bytes:   # the start-up peak, over before the pinned buffers fill
-        out.append(Item("start-up peak above the baseline (engine setup)", "host", setup - out[0].bytes,
+        out.append(Item("start-up peak above the baseline", "host", setup - out[0].bytes,
                         ("setup",), f"launcher {SETUP_LAUNCHER_BYTES / GIB:.2f} GiB + {R} rank(s) x "
                         f"{SETUP_RANK_BYTES / GIB:.2f} GiB at start-up, less the baseline"))
     events: list[tuple[str, str, int]] = []
@@ -100,6 +106,7 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         if s.grad_accum > 1:
             for i, m in enumerate(n.trainable):
                 alloc(f"acc:{i}", w * share(m, N), "gradient accumulation buffers (pinned)")
+    at_start = pinned_peak(events, rounding=cuda)   # all of deepspeed.initialize's pinned blocks
     events.append(("empty", "", 0))  # after deepspeed.initialize (trainer.py)
     if s.checkpointing == "cpu_offload" and n.T * w * n.a["h"] >= OFFLOAD_MIN_BYTES:
         # only the decoder layers' saved inputs go (offload.CheckpointOffload), not the last gpu_layers
@@ -116,20 +123,24 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         out.append(Item(name if cuda else name.replace(" (pinned)", "").replace(" pinned", ""),
                         "host", R * b, ("steady",),
                         f"{R} rank(s) x power-of-two pinned blocks" if cuda else f"{R} rank(s)"))
+    if at_start:
+        out.append(Item("start-up: pinned blocks of deepspeed.initialize", "host", R * at_start,
+                        ("setup",), f"{R} rank(s) x the resident peak before the pinned cache is "
+                        "emptied (freed zero.Init blocks included)"))
     if resident > sum(live.values()):
         out.append(Item("pinned blocks cached (freed, not reused)", "host",
                         R * (resident - sum(live.values())), ("steady",),
                         "freed pinned blocks kept in torch's host cache"))
-    if s.offload_optimizer and z3 and not s.offload_param:
+    if s.offload_optimizer and z3 and not s.offload_param and cuda and w < 4 and max(n.groups):
         # the step copies each sub-group's fp32 master into the GPU's bf16 partition; a CPU -> GPU
         # copy_ that changes dtype converts on the CPU first (ATen copy_kernel_cuda), into a
         # pageable temporary that lives while the copy runs
         g = max(n.groups)
-        out.append(Item("step: bf16 copy of the largest sub-group (pageable)", "host", R * w * g,
+        out.append(Item("step: bf16 copy of a sub-group (pageable)", "host", R * w * g,
                         ("steady",), f"{R} rank(s) x {w} B x {g:,} elements, during the step"))
     if s.offload_optimizer:
         if z3:
-            out.append(Item("optimizer: fp32 master", "host", R * 4 * n.Pt_r, ("steady",),
+            out.append(Item("optimizer: fp32 master", "host", R * 4 * n.Pt_r, HOST_PHASES,
                             f"{R} x 4 B x {n.Pt_r:,}"))
         out.append(Item("optimizer: Adam m, v (CPU Adam)", "host", R * 8 * n.Pt_r, ("steady",),
                         f"{R} x 8 B x {n.Pt_r:,}"))

@@ -13,9 +13,11 @@ from .tiled import TILE_TOKENS
 
 GIB = 2**30
 PHASES = ("loss", "backward", "step")
-HOST_PHASES = ("setup", "steady")
 """GPU moments compared for the peak: end of the forward (fused loss computed), backward of the
 last decoder layer (all checkpoints still held), optimizer step (activations gone)."""
+HOST_PHASES = ("setup", "steady")
+"""Host moments compared for the peak: start-up (end of deepspeed.initialize, before the trainer
+empties the pinned cache) and training (after the first optimizer step)."""
 
 # ---------------------------------------------------------------- calibration (docs/estimator.md)
 CUDA_CONTEXT_BYTES = int(1.9 * GIB)
