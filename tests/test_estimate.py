@@ -195,16 +195,16 @@ def test_llama_1b_row_b_host_by_hand():
         # at start-up, before the trainer empties the pinned cache: zero.Init's per-parameter
         # blocks (embed 512 MiB; a layer 8 + 2 + 2 + 8 + 3 x 32 MiB and two 4 KiB norms; the final
         # norm) freed into the cache but resident, and the three buffers above
-        "start-up: pinned blocks of deepspeed.initialize":
+        "start-up: pinned blocks of DeepSpeed's init":
             2**29 + 16 * (116 * MiB + 2 * 4096) + 4096 + 2**32 + (2**32 + 2**30) + 2**32,
     }
     assert items(e, "host") == want
     start_up = {"process baseline", "start-up peak above the baseline", "optimizer: fp32 master",
-                "start-up: pinned blocks of deepspeed.initialize"}
+                "start-up: pinned blocks of DeepSpeed's init"}
     # the start-up moment (15.4 GiB of pinned blocks) is smaller than training's (CPU Adam's m, v)
     assert sum(want[k] for k in start_up) < e.host_rss
     assert e.host_rss == sum(want.values()) - want["start-up peak above the baseline"] \
-        - want["start-up: pinned blocks of deepspeed.initialize"]
+        - want["start-up: pinned blocks of DeepSpeed's init"]
 
 
 def test_llama_1b_row_b_gpu_by_hand():
@@ -362,7 +362,7 @@ def test_lora_with_offloaded_parameters_peaks_at_start_up():
     empties the pinned cache, so the start-up moment is the peak."""
     e = estimate(LLAMA_8B, Setup(1, 8192, offload_optimizer=True, offload_param=True, lora_rank=16))
     host = items(e, "host")
-    init = host["start-up: pinned blocks of deepspeed.initialize"]
+    init = host["start-up: pinned blocks of DeepSpeed's init"]
     assert init >= host["weights: partitions (pinned)"] + 2 * 8_030_261_248 * 0.9
     assert e.host_rss == sum(b for i in e.host_items() if "setup" in i.phases for b in [i.bytes])
     assert e.host_rss > sum(b for i in e.host_items() if "steady" in i.phases for b in [i.bytes])

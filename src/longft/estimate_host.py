@@ -124,9 +124,11 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
                         "host", R * b, ("steady",),
                         f"{R} rank(s) x power-of-two pinned blocks" if cuda else f"{R} rank(s)"))
     if at_start:
-        out.append(Item("start-up: pinned blocks of deepspeed.initialize", "host", R * at_start,
+        out.append(Item("start-up: pinned blocks of DeepSpeed's init" if cuda
+                        else "start-up: host buffers of DeepSpeed's init", "host", R * at_start,
                         ("setup",), f"{R} rank(s) x the resident peak before the pinned cache is "
-                        "emptied (freed zero.Init blocks included)"))
+                        "emptied (freed zero.Init blocks included)" if cuda
+                        else f"{R} rank(s) x the peak of DeepSpeed's host buffers at start-up"))
     if resident > sum(live.values()):
         out.append(Item("pinned blocks cached (freed, not reused)", "host",
                         R * (resident - sum(live.values())), ("steady",),
