@@ -21,7 +21,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from longft.atomic import write_json  # noqa: E402
+from longft.atomic import write_json, write_text  # noqa: E402
 from longft.config import ConfigError, merge  # noqa: E402
 from longft.pipeline import run_params  # noqa: E402
 
@@ -70,8 +70,8 @@ def main() -> int:
     if a.write_params:
         a.write_params.mkdir(parents=True, exist_ok=True)
         for o in a.overlays:
-            (a.write_params / f"{o.stem}.yaml").write_text(
-                yaml.safe_dump(overlay_params(o)[0], sort_keys=False))
+            write_text(a.write_params / f"{o.stem}.yaml",
+                       yaml.safe_dump(overlay_params(o)[0], sort_keys=False))
         return 0
     rows = []
     for o in a.overlays:

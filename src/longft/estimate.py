@@ -71,7 +71,8 @@ def estimate(arch: dict, s: Setup) -> Estimate:
     return Estimate(setup=s, items=tuple(items), gpu_phases=phases, gpu_peak_phase=peak_phase,
                     gpu_allocated=alloc, gpu_reserved=reserved,
                     gpu_nvml=reserved + CUDA_CONTEXT_BYTES if s.device == "cuda" else 0,
-                    host_rss=host_totals[host_phase])
+                    host_rss=host_totals[host_phase], host_moments=host_totals,
+                    host_peak_moment=host_phase)
 
 
 def _value(resolved: dict, key: str, default):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from .estimate_host import host_peak
 from .estimate_types import (CUDA_CONTEXT_BYTES, GIB, HOST_PHASES, LAUNCHER_BASE_BYTES, PHASES,
                              RANK_BASE_BYTES, SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES, Estimate, Fit,
                              Setup, reserved_factor)
@@ -28,7 +27,7 @@ def to_dict(est: Estimate) -> dict:
                 "peak_phase": est.gpu_peak_phase,
                 "phases_bytes": dict(est.gpu_phases), "items": items("gpu")},
         "host": {"rss_bytes": est.host_rss, "rss_gib": gib(est.host_rss),
-                 "peak_moment": host_peak(list(est.items))[0], "items": items("host")},
+                 "peak_moment": est.host_peak_moment, "items": items("host")},
         "constants": {"reserved_factor": reserved_factor(est.setup.expandable_segments), "cuda_context_bytes": CUDA_CONTEXT_BYTES,
                       "rank_base_bytes": RANK_BASE_BYTES, "launcher_base_bytes": LAUNCHER_BASE_BYTES,
                       "setup_rank_bytes": SETUP_RANK_BYTES,
@@ -66,15 +65,14 @@ def format_table(est: Estimate, fit: Fit | None = None) -> str:
     for i in est.host_items():
         ph = "all" if i.phases == HOST_PHASES else ",".join(i.phases)
         lines.append(f"  {i.name:46s} {i.bytes / GIB:9.3f}  {ph:18s} {i.formula}")
-    host_phase, host_totals = host_peak(list(est.items))
     lines.append("  by moment: " + " | ".join(
-        f"{p} {host_totals[p] / GIB:.3f}" + (" <- peak" if p == host_phase else "")
+        f"{p} {est.host_moments[p] / GIB:.3f}" + (" <- peak" if p == est.host_peak_moment else "")
         for p in HOST_PHASES))
     lines += ["",
               f"peak VRAM (torch max allocated)   {est.gpu_allocated / GIB:9.3f} GiB  [{est.gpu_peak_phase}]",
               f"VRAM reserved (x {reserved_factor(est.setup.expandable_segments)})          {est.gpu_reserved / GIB:9.3f} GiB",
               f"VRAM used, NVML (+ context)       {est.gpu_nvml / GIB:9.3f} GiB",
-              f"peak DRAM (process-tree RSS)      {est.host_rss / GIB:9.3f} GiB  [{host_phase}]"]
+              f"peak DRAM (process-tree RSS)      {est.host_rss / GIB:9.3f} GiB  [{est.host_peak_moment}]"]
     if fit is not None:
         lines.append("")
         lines += [f"{r}" for r in fit.reasons]

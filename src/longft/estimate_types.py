@@ -135,6 +135,8 @@ class Estimate:
     gpu_reserved: int                # x reserved_factor(): predicts max_memory_reserved()
     gpu_nvml: int                    # + CUDA_CONTEXT_BYTES: predicts NVML device used
     host_rss: int                    # predicts process-tree RSS peak of one node
+    host_moments: dict               # HOST_PHASES moment -> bytes
+    host_peak_moment: str            # the moment host_rss is taken at
 
     def gpu_items(self) -> list[Item]:
         return [i for i in self.items if i.where == "gpu"]
