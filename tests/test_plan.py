@@ -24,7 +24,33 @@ def test_v100_resolves_fp16_sdpa():
     v = values(from_dict({}), V100)
     assert v == {"device": "cuda", "precision": "fp16", "attention": "sdpa",
                  "sdpa_backend": "efficient", "liger": True, "checkpointing": "gpu",
-                 "tiled_mlp": False}
+                 "tiled_mlp": False, "host_grad_buffer": "full"}
+
+
+def test_host_grad_buffer_auto_is_shared_only_where_exact():
+    """The default params accumulate over 2 micro-steps: full (above). One micro-step, ZeRO-3 with
+    the optimizer on the CPU and bf16: shared. Each other condition keeps DeepSpeed's buffer."""
+    one = {"train": {"global_batch_size": 1}}
+    assert values(from_dict(one), H200)["host_grad_buffer"] == "shared"
+    assert values(from_dict(one), CPU)["host_grad_buffer"] == "shared"
+    for extra, why in (({"zero": {"stage": 2}}, "zero.stage is 2"),
+                       ({"zero": {"offload_optimizer": "none"}}, "offload_optimizer is none"),
+                       ({"train": {"global_batch_size": 4}}, "accumulate over 4 micro-steps")):
+        c = resolve(from_dict({**one, **extra} if "train" not in extra else extra), H200, "llama")
+        assert c["host_grad_buffer"].value == "full" and why in c["host_grad_buffer"].reason
+    assert values(from_dict(one), V100)["host_grad_buffer"] == "full"   # fp16
+    assert values(from_dict({**one, "zero": {"host_grad_buffer": "full"}}), H200)[
+        "host_grad_buffer"] == "full"
+
+
+def test_host_grad_buffer_shared_where_it_cannot_run_is_refused():
+    with pytest.raises(PlanError) as e:
+        resolve(from_dict({"zero": {"host_grad_buffer": "shared"}}), H200, "llama")
+    assert "zero.host_grad_buffer: shared cannot run here" in str(e.value)
+    assert "accumulate over 2 micro-steps" in str(e.value) and "auto or full" in str(e.value)
+    with pytest.raises(PlanError, match="precision is fp16"):
+        resolve(from_dict({"zero": {"host_grad_buffer": "shared"},
+                           "train": {"global_batch_size": 8}}), V100, "llama")
 
 
 def test_a100_with_flash_attn_resolves_bf16_fa2():
@@ -70,7 +96,7 @@ def test_cpu_resolves_bf16_sdpa_no_liger():
     v = values(from_dict({}), CPU)
     assert v == {"device": "cpu", "precision": "bf16", "attention": "sdpa",
                  "sdpa_backend": "default", "liger": False, "checkpointing": "gpu",
-                 "tiled_mlp": False}
+                 "tiled_mlp": False, "host_grad_buffer": "full"}
 
 
 def test_liger_auto_off_for_unsupported_family():

@@ -152,6 +152,12 @@ class ZeroConfig:
     offload_param: Literal["none", "cpu"] = "none"
     """Parameters on the host, fetched per layer (ZeRO-3 only)."""
     overlap_comm: bool = True
+    host_grad_buffer: Literal["auto", "full", "shared"] = "auto"
+    """With offload_optimizer (ZeRO-3), DeepSpeed keeps a host copy of every gradient partition in
+    the training dtype (2 B x parameters: 15 GiB for 8B) to accumulate over micro-steps. Without
+    accumulation it is only a staging area: `shared` points every partition at one buffer of the
+    largest partition's size (grad_buffer.py). auto = shared where that is exact (ZeRO-3,
+    offload_optimizer cpu, one micro-step per step, not fp16), else full (DeepSpeed's own)."""
 
 
 @dataclass(frozen=True)

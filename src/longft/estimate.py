@@ -105,6 +105,7 @@ def setup_from_config(cfg, resolved: dict, world_size: int | None = None) -> Set
         zero_stage=cfg.zero.stage, offload_optimizer=cfg.zero.offload_optimizer == "cpu",
         offload_param=cfg.zero.offload_param == "cpu", overlap_comm=cfg.zero.overlap_comm,
         grad_accum=max(1, cfg.train.global_batch_size // (micro * ws)),
+        host_grad_buffer=_value(resolved, "host_grad_buffer", "full"),  # absent: older plans
         # random rows are one document each; packed real data gets a block-diagonal mask
         packed=cfg.data.pack and cfg.data.source != "random",
         lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.target_modules))

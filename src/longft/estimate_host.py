@@ -98,6 +98,10 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         for i, g in enumerate(n.groups):
             alloc(f"g32:{i}", 4 * g, "CPU Adam fp32 gradients (pinned)")
         alloc("g16", w * n.Pt_r, "gradients: partitions (pinned)")
+        if s.host_grad_buffer == "shared":  # the trainer swaps it for one slot (grad_buffer.py)
+            alloc("g16s", w * max(share(m, N) for m in n.trainable),
+                  "gradients: one shared staging slot (pinned)")
+            events.append(("free", "g16", 0))
     elif s.offload_optimizer:
         alloc("m32", 4 * n.Pt_r, "optimizer: fp32 master (pinned)")
         alloc("p16", w * n.Pt_r, "weights: bf16 staging (pinned)")

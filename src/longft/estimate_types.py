@@ -91,6 +91,7 @@ class Setup:
     offload_param: bool = False
     overlap_comm: bool = True
     grad_accum: int = 1
+    host_grad_buffer: str = "full"   # full | shared (grad_buffer.py): DeepSpeed's host gradient copy
     packed: bool = False             # rows hold several documents: sdpa/eager get a [s x s] mask
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
@@ -113,6 +114,11 @@ class Setup:
             p.append(f"zero_stage {self.zero_stage} is not 2 or 3")
         if self.offload_param and self.zero_stage != 3:
             p.append("offload_param needs zero_stage 3")
+        if self.host_grad_buffer not in ("full", "shared"):
+            p.append(f"host_grad_buffer {self.host_grad_buffer!r} is not full or shared")
+        elif self.host_grad_buffer == "shared" and not (
+                self.zero_stage == 3 and self.offload_optimizer and self.grad_accum == 1):
+            p.append("host_grad_buffer shared needs zero_stage 3, offload_optimizer and grad_accum 1")
         return p
 
 

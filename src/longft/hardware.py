@@ -214,6 +214,24 @@ def resolve(cfg: Config, hw: Hardware, model_type: str) -> dict[str, Choice]:
             problems.append("checkpointing.mode: cpu_offload needs a CUDA GPU; use gpu or none")
         out["checkpointing"] = Choice(m, "set in params")
 
+    # host gradient buffer (grad_buffer.py)
+    hb, z = cfg.zero.host_grad_buffer, cfg.zero
+    why_not = [w for w, bad in (
+        ("zero.stage is 2", z.stage != 3), ("zero.offload_optimizer is none", z.offload_optimizer != "cpu"),
+        (f"gradients accumulate over {cfg.grad_accum_steps} micro-steps "
+         "(train.global_batch_size > micro_batch_size x GPUs)", cfg.grad_accum_steps > 1),
+        ("precision is fp16 (DeepSpeed's overflow check reads every partition's host copy)",
+         out["precision"].value == "fp16")) if bad]
+    if hb == "shared" and why_not:
+        problems.append(f"zero.host_grad_buffer: shared cannot run here: {'; '.join(why_not)}. "
+                        "Set it to auto or full")
+    if hb == "auto":
+        out["host_grad_buffer"] = Choice("full" if why_not else "shared",
+                                         f"auto: full ({why_not[0]})" if why_not else
+                                         "auto: shared (ZeRO-3 offload, one micro-step per step)")
+    else:
+        out["host_grad_buffer"] = Choice(hb, "set in params")
+
     if device == "cuda" and h.vram_limit_gib is not None and hw.gpu_mem_gib is not None \
             and h.vram_limit_gib > hw.gpu_mem_gib:
         problems.append(f"hardware.vram_limit_gib: {h.vram_limit_gib} is more than the "

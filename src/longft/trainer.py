@@ -12,7 +12,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from . import attention, checkpoint, patch, stop
+from . import attention, checkpoint, grad_buffer, patch, stop
 from .config import Config
 from .data.store import PreparedDataset
 from .export import export
@@ -54,6 +54,7 @@ def environment(cfg: Config, plan: dict) -> dict:
         "precision": r["precision"]["value"], "attention": r["attention"]["value"],
         "checkpointing": r["checkpointing"]["value"], "liger": r["liger"]["value"],
         "tiled_mlp": r.get("tiled_mlp", {}).get("value", False),  # absent in older plans
+        "host_grad_buffer": r.get("host_grad_buffer", {}).get("value", "full"),
         "gpu_layers": cfg.checkpointing.gpu_layers,
         "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
         "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
@@ -264,6 +265,14 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         checkpoint.set_rng_state(client.get("rng", {}))
         if rank == 0:
             print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
+    if plan["resolved"].get("host_grad_buffer", {}).get("value") == "shared":  # absent: older plans
+        try:
+            freed = grad_buffer.share(engine.optimizer)
+        except grad_buffer.GradBufferError as e:
+            raise TrainingError(str(e)) from None
+        if rank == 0:
+            print(f"longft: host gradient buffer shared: {freed / 2**30:.2f} GiB of host RAM per rank "
+                  "given back (zero.host_grad_buffer)", flush=True)
     if cuda:
         # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
         # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to

@@ -1,0 +1,63 @@
+"""zero.host_grad_buffer: shared (grad_buffer.py) trains exactly as DeepSpeed's own full buffer,
+through the real stages on the CPU (ZeRO-3, optimizer on the CPU, one micro-step per step)."""
+
+import json
+import types
+
+import pytest
+import torch
+import yaml
+
+from longft.config import merge
+from longft.grad_buffer import MAP, GradBufferError, share
+from longft.pipeline import REPO, run_params
+
+OVERLAY = {"data": {"num_samples": 4, "max_seq_length": 1024},
+           "train": {"global_batch_size": 1, "iterations": 3, "warmup_iterations": 1},
+           "output": {"save_checkpoint": False, "export": False}}
+
+
+def run(tmp_path, mode):
+    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+                   merge(OVERLAY, {"zero": {"host_grad_buffer": mode}}))
+    r = run_params(params, tmp_path / mode)
+    assert r.failed is None, r.log.read_text()[-3000:]
+    rows = [json.loads(x) for x in (r.work / "run" / "rank0.jsonl").read_text().splitlines()]
+    return r, rows
+
+
+@pytest.mark.slow
+def test_shared_buffer_trains_bit_for_bit_like_the_full_one(tmp_path):
+    full, full_rows = run(tmp_path, "full")
+    shared, shared_rows = run(tmp_path, "shared")
+    losses = [[x["loss"] for x in rows if x["type"] == "iter"] for rows in (full_rows, shared_rows)]
+    assert len(losses[0]) == 3
+    assert len(set(losses[0])) == 3           # the weights moved: each step's loss differs
+    assert losses[0] == losses[1]             # and moved the same way, to the last bit
+    env = {m: next(x for x in rows if x["type"] == "env")
+           for m, rows in (("full", full_rows), ("shared", shared_rows))}
+    assert env["full"]["host_grad_buffer"] == "full" and env["shared"]["host_grad_buffer"] == "shared"
+    assert "host gradient buffer shared" in shared.log.read_text()
+    assert "host gradient buffer shared" not in full.log.read_text()
+
+
+def test_share_points_every_slot_at_one_buffer_and_reports_the_bytes():
+    flat = torch.arange(10, dtype=torch.bfloat16)
+    slots = {1: flat.narrow(0, 0, 6), 2: flat.narrow(0, 6, 3), 3: flat.narrow(0, 9, 1)}
+    opt = types.SimpleNamespace(grad_partitions_flat_buffer=flat, gradient_accumulation_steps=1)
+    setattr(opt, MAP, slots)
+    assert share(opt) == (10 - 6) * 2
+    buf = opt.grad_partitions_flat_buffer
+    assert buf.numel() == 6 and buf.dtype == torch.bfloat16
+    assert [slots[k].numel() for k in (1, 2, 3)] == [6, 3, 1]
+    assert all(slots[k].data_ptr() == buf.data_ptr() for k in slots)
+
+
+def test_share_refuses_what_it_cannot_do():
+    with pytest.raises(GradBufferError, match="zero.host_grad_buffer: full"):
+        share(types.SimpleNamespace())          # not DeepSpeed's ZeRO-3 optimizer
+    opt = types.SimpleNamespace(grad_partitions_flat_buffer=torch.zeros(4),
+                                gradient_accumulation_steps=2)
+    setattr(opt, MAP, {1: torch.zeros(4)})
+    with pytest.raises(GradBufferError, match="one micro-step"):
+        share(opt)
