@@ -276,3 +276,27 @@ def test_keep_attention_skips_the_cudnn_forward_in_backward_with_the_same_grads(
     # + 4,608 B alone: the first backward's lazy workspaces)
     kept = 4 * 8192 * 8 * (128 * 2 + 4)
     assert kept <= held - held_ref <= kept + (1 << 20) + 4 * 4096, (held - held_ref, kept)
+
+
+def test_shared_host_grad_buffer_trains_like_the_full_one_on_cuda(tmp_path):
+    """zero.host_grad_buffer: shared on the GPU, where the copies into and out of the one staging
+    slot are asynchronous (they run in order on DeepSpeed's reduce stream): the same losses as
+    DeepSpeed's own per-partition buffer, with the parameters and the optimizer on the CPU."""
+    from longft.config import merge
+    from longft.pipeline import REPO, run_params
+
+    losses = {}
+    for mode in ("full", "shared"):
+        params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+                       {"data": {"num_samples": 6}, "hardware": {"device": "cuda"},
+                        "train": {"global_batch_size": 1, "iterations": 5, "warmup_iterations": 1},
+                        "zero": {"offload_param": "cpu", "host_grad_buffer": mode},
+                        "output": {"save_checkpoint": False, "export": False}})
+        r = run_params(params, tmp_path / mode)
+        assert r.failed is None, r.log.read_text()[-3000:]
+        rows = [json.loads(x) for x in (r.work / "run/rank0.jsonl").read_text().splitlines()]
+        losses[mode] = [x["loss"] for x in rows if x["type"] == "iter"]
+        env = next(x for x in rows if x["type"] == "env")
+        assert env["host_grad_buffer"] == mode
+    assert len(losses["full"]) == 5 and len(set(losses["full"])) == 5
+    assert losses["shared"] == pytest.approx(losses["full"], rel=1e-3, abs=1e-4), losses

@@ -171,7 +171,8 @@ def cmd_plan(argv: list[str]) -> int:
     resolved, notes = _resolve(cfg, hw, arch["model_type"])
     base = setup_from_config(cfg, resolved)
     gpu_name = a.gpu_name or (hw.gpu_name if hw.device == "cuda" else None)
-    cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro, MODES)
+    cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro, MODES,
+                   share_grads=cfg.zero.host_grad_buffer != "full")
     print(f"longft plan: {a.model}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
           f"host {a.host_mem:g} GiB")
     for n in notes:

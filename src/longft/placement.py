@@ -132,17 +132,22 @@ def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | 
 
 
 def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu_name: str | None,
-           max_micro: int = 64, modes: tuple[str, ...] = MODES) -> list[Candidate]:
+           max_micro: int = 64, modes: tuple[str, ...] = MODES,
+           share_grads: bool = True) -> list[Candidate]:
     """Every ZeRO-3 candidate (offload x checkpointing x micro-batch 1..max_micro) that fits, and
     for each offload x mode that fits at no micro-batch its micro-batch-1 candidate (not fitting).
-    Memory grows with the micro-batch, so each scan stops at the first that does not fit."""
+    Memory grows with the micro-batch, so each scan stops at the first that does not fit.
+    Candidates have one micro-step per step: with the optimizer on the CPU they share the host
+    gradient buffer (zero.host_grad_buffer) unless `share_grads` is off or the precision is fp16."""
     out = []
     for off, (opt, param) in OFFLOADS.items():
+        shared = share_grads and opt and base.precision != "fp16"
         for mode in modes:
             for m in range(1, max_micro + 1):
                 s = dataclasses.replace(base, micro_batch=m, checkpointing=mode, zero_stage=3,
                                         offload_optimizer=opt, offload_param=param, grad_accum=1,
-                                        gpu_layers=0, keep_attention=0)
+                                        gpu_layers=0, keep_attention=0,
+                                        host_grad_buffer="shared" if shared else "full")
                 if mode != "none":
                     s = keep_on_gpu(arch, s, gpu_mem_gib, host_mem_gib)
                 e = estimate(arch, s)
@@ -188,6 +193,7 @@ def overlay(model: str, c: Candidate, gpus: int, shipped: bool) -> dict:
         "checkpointing": {"mode": s.checkpointing, "gpu_layers": s.gpu_layers,
                           "keep_attention": s.keep_attention},
         "zero": {"stage": 3, "offload_optimizer": "cpu" if opt else "none",
-                 "offload_param": "cpu" if param else "none"},
+                 "offload_param": "cpu" if param else "none",
+                 "host_grad_buffer": s.host_grad_buffer},
         "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},
     }
