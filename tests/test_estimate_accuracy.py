@@ -39,6 +39,10 @@ KNOWN_MISSES = {
     ("h200-8b-128k-offload-keep9.json", "vram_nvml_used"),
     ("h200-8b-128k-offload-gpuckpt.json", "vram_max_reserved"),
     ("h200-8b-128k-offload-gpuckpt.json", "vram_nvml_used"),
+    # And on row (c) with the shared host gradient slot (52.7 GiB reserved for 36.5 allocated);
+    # its capped twin (d) stays within 3.3 % (38.75 / 40.65 GiB predicted, 39.99 / 42.04 measured).
+    ("h200-8b-128k-shared.json", "vram_max_reserved"),
+    ("h200-8b-128k-shared.json", "vram_nvml_used"),
 }
 METRICS = ("vram_max_allocated", "vram_max_reserved", "vram_nvml_used", "dram_rss_tree")
 
