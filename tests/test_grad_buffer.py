@@ -10,16 +10,16 @@ import yaml
 
 from longft.config import merge
 from longft.grad_buffer import MAP, GradBufferError, share
-from longft.pipeline import REPO, run_params
+from longft.pipeline import REPO, run_params, run_stage, stage_commands
 
 OVERLAY = {"data": {"num_samples": 4, "max_seq_length": 1024},
            "train": {"global_batch_size": 1, "iterations": 3, "warmup_iterations": 1},
            "output": {"save_checkpoint": False, "export": False}}
 
 
-def run(tmp_path, mode):
+def run(tmp_path, mode, extra=None):
     params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
-                   merge(OVERLAY, {"zero": {"host_grad_buffer": mode}}))
+                   merge(OVERLAY, {"zero": {"host_grad_buffer": mode}, **(extra or {})}))
     r = run_params(params, tmp_path / mode)
     assert r.failed is None, r.log.read_text()[-3000:]
     rows = [json.loads(x) for x in (r.work / "run" / "rank0.jsonl").read_text().splitlines()]
@@ -27,9 +27,9 @@ def run(tmp_path, mode):
 
 
 @pytest.mark.slow
-def test_shared_buffer_trains_bit_for_bit_like_the_full_one(tmp_path):
+def test_shared_buffer_trains_bit_for_bit_like_the_full_one_and_resumes(tmp_path):
     full, full_rows = run(tmp_path, "full")
-    shared, shared_rows = run(tmp_path, "shared")
+    shared, shared_rows = run(tmp_path, "shared", {"output": {"checkpoint_every": 2}})
     losses = [[x["loss"] for x in rows if x["type"] == "iter"] for rows in (full_rows, shared_rows)]
     assert len(losses[0]) == 3
     assert len(set(losses[0])) == 3           # the weights moved: each step's loss differs
@@ -39,6 +39,12 @@ def test_shared_buffer_trains_bit_for_bit_like_the_full_one(tmp_path):
     assert env["full"]["host_grad_buffer"] == "full" and env["shared"]["host_grad_buffer"] == "shared"
     assert "host gradient buffer shared" in shared.log.read_text()
     assert "host gradient buffer shared" not in full.log.read_text()
+    # the train stage again: it resumes from step-2 (the buffer is shared after the load) and
+    # step 3 comes out as it did uninterrupted
+    out = run_stage("train", stage_commands(shared.work / "params.yaml", shared.work)["train"])
+    assert "resumed from" in out and "step-2" in out
+    rows = [json.loads(x) for x in (shared.work / "run" / "rank0.jsonl").read_text().splitlines()]
+    assert [x["loss"] for x in rows if x["type"] == "iter" and x["step"] == 3][-1] == losses[0][2]
 
 
 def test_share_points_every_slot_at_one_buffer_and_reports_the_bytes():
