@@ -401,5 +401,6 @@ def test_shared_host_grad_buffer_swaps_the_16_gib_block_for_one_slot():
     assert full.host_moments["steady"] - shared.host_moments["steady"] == 15 * GIB
     assert shared.host_moments["setup"] == full.host_moments["setup"]
     assert shared.gpu_allocated == full.gpu_allocated
-    bad = dataclasses.replace(base, host_grad_buffer="shared", grad_accum=2)
-    assert any("grad_accum 1" in p for p in bad.problems())
+    for change in ({"grad_accum": 2}, {"precision": "fp16"}, {"offload_optimizer": False}):
+        bad = dataclasses.replace(base, host_grad_buffer="shared", **change)
+        assert any("host_grad_buffer shared needs" in p for p in bad.problems()), change

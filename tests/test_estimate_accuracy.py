@@ -94,10 +94,11 @@ def test_h200_rows_within_10_percent(path, metric):
     assert abs(c[metric]["rel_error"]) < 0.10, c[metric]
 
 
-def test_capped_row_is_predicted_to_fit_its_cap():
+@pytest.mark.parametrize("name", ["h200-8b-128k-offload-cap40", "h200-8b-128k-shared-cap40"])
+def test_capped_row_is_predicted_to_fit_its_cap(name):
     """Under hardware.vram_limit_gib the measured reserved memory is the cap; what the estimate
     must get right there is that the run fits: allocated and reserved predictions under the cap."""
-    path = REPO / "bench/results/h200-8b-128k-offload-cap40.json"
+    path = REPO / f"bench/results/{name}.json"
     cfg, row, c = _predicted_vs_measured(path)
     cap = cfg.hardware.vram_limit_gib
     assert row["status"] == "ok" and cap == 40

@@ -2,6 +2,7 @@
 through the real stages on the CPU (ZeRO-3, optimizer on the CPU, one micro-step per step)."""
 
 import json
+import shutil
 import types
 
 import pytest
@@ -12,8 +13,10 @@ from longft.config import merge
 from longft.grad_buffer import MAP, GradBufferError, share
 from longft.pipeline import REPO, run_params, run_stage, stage_commands
 
-OVERLAY = {"data": {"num_samples": 4, "max_seq_length": 1024},
-           "train": {"global_batch_size": 1, "iterations": 3, "warmup_iterations": 1},
+# warmup_steps 0: step 1 already updates the weights, so every later loss depends on every update
+OVERLAY = {"data": {"num_samples": 6, "max_seq_length": 1024},
+           "train": {"global_batch_size": 1, "iterations": 5, "warmup_iterations": 1},
+           "optim": {"warmup_steps": 0},
            "output": {"save_checkpoint": False, "export": False}}
 
 
@@ -31,26 +34,29 @@ def test_shared_buffer_trains_bit_for_bit_like_the_full_one_and_resumes(tmp_path
     full, full_rows = run(tmp_path, "full")
     shared, shared_rows = run(tmp_path, "shared", {"output": {"checkpoint_every": 2}})
     losses = [[x["loss"] for x in rows if x["type"] == "iter"] for rows in (full_rows, shared_rows)]
-    assert len(losses[0]) == 3
-    assert len(set(losses[0])) == 3           # the weights moved: each step's loss differs
-    assert losses[0] == losses[1]             # and moved the same way, to the last bit
+    assert len(losses[0]) == 5
+    assert all(x["lr"] > 0 for x in full_rows if x["type"] == "iter")   # every step updated
+    assert losses[0] == losses[1]             # the same updates, to the last bit
     env = {m: next(x for x in rows if x["type"] == "env")
            for m, rows in (("full", full_rows), ("shared", shared_rows))}
     assert env["full"]["host_grad_buffer"] == "full" and env["shared"]["host_grad_buffer"] == "shared"
     assert "host gradient buffer shared" in shared.log.read_text()
     assert "host gradient buffer shared" not in full.log.read_text()
-    # the train stage again: it resumes from step-2 (the buffer is shared after the load) and
-    # step 3 comes out as it did uninterrupted
+    # The train stage again, from the periodic checkpoint step-2 (step-4 removed): the buffer is
+    # shared after the load, and steps 4 and 5 see updates made through it after the resume.
+    shutil.rmtree(shared.work / "checkpoints" / "step-4")
     out = run_stage("train", stage_commands(shared.work / "params.yaml", shared.work)["train"])
-    assert "resumed from" in out and "step-2" in out
+    assert "resumed from" in out and "step-2" in out and "host gradient buffer shared" in out
     rows = [json.loads(x) for x in (shared.work / "run" / "rank0.jsonl").read_text().splitlines()]
-    assert [x["loss"] for x in rows if x["type"] == "iter" and x["step"] == 3][-1] == losses[0][2]
+    again = {x["step"]: x["loss"] for x in rows if x["type"] == "iter"}
+    assert [again[s] for s in (3, 4, 5)] == losses[0][2:]
 
 
 def test_share_points_every_slot_at_one_buffer_and_reports_the_bytes():
     flat = torch.arange(10, dtype=torch.bfloat16)
     slots = {1: flat.narrow(0, 0, 6), 2: flat.narrow(0, 6, 3), 3: flat.narrow(0, 9, 1)}
-    opt = types.SimpleNamespace(grad_partitions_flat_buffer=flat, gradient_accumulation_steps=1)
+    opt = types.SimpleNamespace(grad_partitions_flat_buffer=flat, gradient_accumulation_steps=1,
+                                offload_optimizer=True, dtype=torch.bfloat16)
     setattr(opt, MAP, slots)
     assert share(opt) == (10 - 6) * 2
     buf = opt.grad_partitions_flat_buffer
@@ -62,8 +68,14 @@ def test_share_points_every_slot_at_one_buffer_and_reports_the_bytes():
 def test_share_refuses_what_it_cannot_do():
     with pytest.raises(GradBufferError, match="zero.host_grad_buffer: full"):
         share(types.SimpleNamespace())          # not DeepSpeed's ZeRO-3 optimizer
-    opt = types.SimpleNamespace(grad_partitions_flat_buffer=torch.zeros(4),
-                                gradient_accumulation_steps=2)
-    setattr(opt, MAP, {1: torch.zeros(4)})
-    with pytest.raises(GradBufferError, match="one micro-step"):
-        share(opt)
+    for change, match in (({"gradient_accumulation_steps": 2}, "one micro-step per step"),
+                          ({"offload_optimizer": False}, "offload_optimizer: cpu"),
+                          ({"dtype": torch.float16}, "fp16")):
+        opt = types.SimpleNamespace(**{"grad_partitions_flat_buffer": torch.zeros(4),
+                                       "gradient_accumulation_steps": 1, "offload_optimizer": True,
+                                       "dtype": torch.bfloat16, **change})
+        setattr(opt, MAP, {1: torch.zeros(4)})
+        with pytest.raises(GradBufferError, match=match) as e:
+            share(opt)
+        assert "zero.host_grad_buffer: full" in str(e.value)
+        assert opt.grad_partitions_flat_buffer.numel() == 4     # nothing swapped

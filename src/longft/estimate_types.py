@@ -117,8 +117,10 @@ class Setup:
         if self.host_grad_buffer not in ("full", "shared"):
             p.append(f"host_grad_buffer {self.host_grad_buffer!r} is not full or shared")
         elif self.host_grad_buffer == "shared" and not (
-                self.zero_stage == 3 and self.offload_optimizer and self.grad_accum == 1):
-            p.append("host_grad_buffer shared needs zero_stage 3, offload_optimizer and grad_accum 1")
+                self.zero_stage == 3 and self.offload_optimizer and self.grad_accum == 1
+                and self.precision != "fp16"):
+            p.append("host_grad_buffer shared needs zero_stage 3, offload_optimizer, grad_accum 1 "
+                     "and not fp16")
         return p
 
 

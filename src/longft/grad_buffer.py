@@ -12,6 +12,9 @@ previous one's copy out of it.
 
 Not for fp16: there DeepSpeed's overflow check scans the whole host buffer for inf/NaN.
 `hardware.resolve` decides (auto: shared only where it is exact); this module swaps the buffer.
+It relies on one forward and backward per optimizer step, as the trainer runs them; DeepSpeed's
+paths that read the slots later are not used by longft and do not work with a shared slot:
+unmanaged gradient accumulation, `offload_states` / `reload_states`, DeepCompile.
 """
 
 from __future__ import annotations
@@ -36,8 +39,15 @@ def share(optimizer) -> int:
             f"zero.host_grad_buffer: shared needs DeepSpeed's ZeRO-3 optimizer with its host "
             f"gradient buffer ({type(optimizer).__name__} has none; deepspeed 0.19 has it). "
             "Set zero.host_grad_buffer: full")
-    if getattr(optimizer, "gradient_accumulation_steps", 1) != 1:
-        raise GradBufferError("zero.host_grad_buffer: shared needs one micro-step per step")
+    fix = "Set zero.host_grad_buffer: full (or auto, which chooses full here)"
+    if getattr(optimizer, "gradient_accumulation_steps", None) != 1:
+        raise GradBufferError("zero.host_grad_buffer: shared needs one micro-step per step "
+                              "(train.global_batch_size = micro_batch_size x GPUs). " + fix)
+    if not getattr(optimizer, "offload_optimizer", False):
+        raise GradBufferError("zero.host_grad_buffer: shared needs zero.offload_optimizer: cpu. " + fix)
+    if getattr(optimizer, "dtype", None) == torch.float16:
+        raise GradBufferError("zero.host_grad_buffer: shared cannot run in fp16 (DeepSpeed's "
+                              "overflow check reads every partition's host copy). " + fix)
     largest = max(t.numel() for t in slots.values())
     pinned = flat.device.type == "cpu" and flat.is_pinned()
     shared = torch.empty(largest, dtype=flat.dtype, device=flat.device, pin_memory=pinned)
