@@ -46,7 +46,7 @@ def test_range_and_combination_problems_together():
     raw = {"train": {"micro_batch_size": 3, "global_batch_size": 4, "iterations": 5,
                      "warmup_iterations": 5},
            "zero": {"stage": 2, "offload_param": "cpu"},
-           "optim": {"lr": -1.0, "betas": [0.9, 1.5]},
+           "optim": {"lr": -1.0, "betas": [0.9, 1.5], "warmup_steps": 0},
            "hardware": {"num_nodes": 2}}
     with pytest.raises(ConfigError) as e:
         from_dict(raw)
@@ -56,6 +56,7 @@ def test_range_and_combination_problems_together():
     assert "zero.offload_param: 'cpu' needs zero.stage 3" in msg
     assert "optim.lr: must be > 0" in msg
     assert "optim.betas[1]: must be in [0, 1)" in msg
+    assert "optim.warmup_steps: must be >= 1, got 0" in msg   # DeepSpeed refused it after start-up
     assert "hardware.hostfile: required" in msg
 
 

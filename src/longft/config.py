@@ -266,8 +266,9 @@ def _check(cfg: Config) -> list[str]:
         if b is not None and not 0 <= b < 1:
             p.append(f"optim.betas[{i}]: must be in [0, 1), got {b}")
     positive("optim.eps", o.eps)
-    if o.warmup_steps < 0:
-        p.append(f"optim.warmup_steps: must be >= 0, got {o.warmup_steps}")
+    if o.warmup_steps < 1:
+        p.append(f"optim.warmup_steps: must be >= 1, got {o.warmup_steps} (DeepSpeed's LR "
+                 "schedules need a warm-up; their first step runs at lr 0, so 1 is the shortest)")
     if not 0 <= o.min_lr_ratio <= 1:
         p.append(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
     if z.offload_param == "cpu" and z.stage != 3:
