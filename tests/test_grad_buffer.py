@@ -79,3 +79,16 @@ def test_share_refuses_what_it_cannot_do():
             share(opt)
         assert "zero.host_grad_buffer: full" in str(e.value)
         assert opt.grad_partitions_flat_buffer.numel() == 4     # nothing swapped
+
+
+def test_checkpoint_fingerprint_ignores_the_host_grad_buffer():
+    """The buffer does not change the trajectory (above), so a run may resume across a change of
+    it, and checkpoints written before the knob existed still resume; other zero knobs count."""
+    from longft.checkpoint import fingerprint
+    from longft.config import from_dict
+
+    one = {"train": {"global_batch_size": 1}}
+    fps = {m: fingerprint(from_dict(merge(one, {"zero": {"host_grad_buffer": m}})))
+           for m in ("auto", "full", "shared")}
+    assert len(set(fps.values())) == 1
+    assert fingerprint(from_dict(merge(one, {"zero": {"offload_param": "cpu"}}))) != fps["auto"]

@@ -92,6 +92,9 @@ def fingerprint(cfg: Config) -> str:
     """Hash of the params that define the training trajectory (not iterations or outputs)."""
     d = to_dict(cfg)
     keep = {k: d[k] for k in ("model", "data", "kernels", "precision", "zero", "lora", "optim")}
+    # where gradients are staged on the host changes no result (grad_buffer.py), and checkpoints
+    # written before the knob existed must still resume
+    keep["zero"] = {k: v for k, v in d["zero"].items() if k != "host_grad_buffer"}
     keep["train"] = {k: v for k, v in d["train"].items() if k not in ("iterations", "log_every",
                                                                        "warmup_iterations")}
     keep["world_size"] = cfg.world_size
