@@ -384,23 +384,3 @@ def test_optimizer_offload_alone_converts_each_sub_group_on_the_host():
     two = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, world_size=2, ranks_per_node=2))
     assert items(two, "host")[name] == 2 * 2 * max(sub_groups([-(-n // 2) for _, n in param_numels(LLAMA_1B)]))
 
-
-def test_shared_host_grad_buffer_swaps_the_16_gib_block_for_one_slot():
-    """Row (c)'s setup: DeepSpeed pins 2 B x 8.03B parameters of gradient slots (a 16 GiB block);
-    shared (grad_buffer.py) leaves one slot of the largest partition, the 525M-element embedding
-    (1.05 GB: a 1 GiB block). The start-up moment is unchanged: it still holds the full block, and
-    the slot reuses the embedding's freed 1 GiB zero.Init block from torch's pinned cache."""
-    base = Setup(micro_batch=1, seq_len=128000, checkpointing="cpu_offload", gpu_layers=16,
-                 keep_attention=9, tiled_mlp=True, offload_optimizer=True, offload_param=True)
-    full = estimate(LLAMA_8B, base)
-    shared = estimate(LLAMA_8B, dataclasses.replace(base, host_grad_buffer="shared"))
-    f, s = items(full, "host"), items(shared, "host")
-    assert f["gradients: partitions (pinned)"] == 16 * GIB
-    assert "gradients: partitions (pinned)" not in s
-    assert s["gradients: one shared staging slot (pinned)"] == GIB
-    assert full.host_moments["steady"] - shared.host_moments["steady"] == 15 * GIB
-    assert shared.host_moments["setup"] == full.host_moments["setup"]
-    assert shared.gpu_allocated == full.gpu_allocated
-    for change in ({"grad_accum": 2}, {"precision": "fp16"}, {"offload_optimizer": False}):
-        bad = dataclasses.replace(base, host_grad_buffer="shared", **change)
-        assert any("host_grad_buffer shared needs" in p for p in bad.problems()), change

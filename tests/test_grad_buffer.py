@@ -1,6 +1,8 @@
 """zero.host_grad_buffer: shared (grad_buffer.py) trains exactly as DeepSpeed's own full buffer,
-through the real stages on the CPU (ZeRO-3, optimizer on the CPU, one micro-step per step)."""
+through the real stages on the CPU (ZeRO-3, optimizer on the CPU, one micro-step per step), and
+the estimator counts its one slot."""
 
+import dataclasses
 import json
 import shutil
 import types
@@ -9,9 +11,12 @@ import pytest
 import torch
 import yaml
 
-from longft.config import merge
+from longft.config import ModelConfig, merge
+from longft.estimate import GIB, Setup, estimate
 from longft.grad_buffer import MAP, GradBufferError, share
+from longft.model import load_model_config
 from longft.pipeline import REPO, run_params, run_stage, stage_commands
+from longft.plan import architecture
 
 # DeepSpeed's warm-up runs step 1 at lr 0; steps 2-5 update the weights, so the losses of steps
 # 3-5 depend on the updates made through the gradient buffer
@@ -92,3 +97,25 @@ def test_checkpoint_fingerprint_ignores_the_host_grad_buffer():
            for m in ("auto", "full", "shared")}
     assert len(set(fps.values())) == 1
     assert fingerprint(from_dict(merge(one, {"zero": {"offload_param": "cpu"}}))) != fps["auto"]
+
+
+def test_shared_host_grad_buffer_swaps_the_16_gib_block_for_one_slot():
+    """Row (c)'s setup: DeepSpeed pins 2 B x 8.03B parameters of gradient slots (a 16 GiB block);
+    shared (grad_buffer.py) leaves one slot of the largest partition, the 525M-element embedding
+    (1.05 GB: a 1 GiB block). The start-up moment is unchanged: it still holds the full block, and
+    the slot reuses the embedding's freed 1 GiB zero.Init block from torch's pinned cache."""
+    base = Setup(micro_batch=1, seq_len=128000, checkpointing="cpu_offload", gpu_layers=16,
+                 keep_attention=9, tiled_mlp=True, offload_optimizer=True, offload_param=True)
+    arch = architecture(load_model_config(ModelConfig(source="random", name="llama3.1-8b")))
+    full = estimate(arch, base)
+    shared = estimate(arch, dataclasses.replace(base, host_grad_buffer="shared"))
+    f, s = ({i.name: i.bytes for i in e.items if i.where == "host"} for e in (full, shared))
+    assert f["gradients: partitions (pinned)"] == 16 * GIB
+    assert "gradients: partitions (pinned)" not in s
+    assert s["gradients: one shared staging slot (pinned)"] == GIB
+    assert full.host_moments["steady"] - shared.host_moments["steady"] == 15 * GIB
+    assert shared.host_moments["setup"] == full.host_moments["setup"]
+    assert shared.gpu_allocated == full.gpu_allocated
+    for change in ({"grad_accum": 2}, {"precision": "fp16"}, {"offload_optimizer": False}):
+        bad = dataclasses.replace(base, host_grad_buffer="shared", **change)
+        assert any("host_grad_buffer shared needs" in p for p in bad.problems()), change

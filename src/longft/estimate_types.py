@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .grad_buffer import why_not
 from .tiled import TILE_TOKENS
 
 GIB = 2**30
@@ -116,9 +117,8 @@ class Setup:
             p.append("offload_param needs zero_stage 3")
         if self.host_grad_buffer not in ("full", "shared"):
             p.append(f"host_grad_buffer {self.host_grad_buffer!r} is not full or shared")
-        elif self.host_grad_buffer == "shared" and not (
-                self.zero_stage == 3 and self.offload_optimizer and self.grad_accum == 1
-                and self.precision != "fp16"):
+        elif self.host_grad_buffer == "shared" and why_not(
+                self.zero_stage, self.offload_optimizer, self.grad_accum, self.precision):
             p.append("host_grad_buffer shared needs zero_stage 3, offload_optimizer, grad_accum 1 "
                      "and not fp16")
         return p

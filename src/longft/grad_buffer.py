@@ -22,6 +22,18 @@ from __future__ import annotations
 MAP = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
+def why_not(stage: int, offload_optimizer: bool, grad_accum: int, precision: str) -> list[str]:
+    """Why a shared slot would not be exact for this setup ([] = it is): the one rule that
+    hardware.resolve, the estimator and the planner apply."""
+    return [why for why, bad in (
+        (f"zero.stage is {stage}", stage != 3),
+        ("zero.offload_optimizer is none", not offload_optimizer),
+        (f"gradients accumulate over {grad_accum} micro-steps "
+         "(train.global_batch_size > micro_batch_size x GPUs)", grad_accum > 1),
+        ("precision is fp16 (DeepSpeed's overflow check reads every partition's host copy)",
+         precision == "fp16")) if bad]
+
+
 class GradBufferError(RuntimeError):
     pass
 

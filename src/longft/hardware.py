@@ -11,6 +11,7 @@ import importlib.util
 import os
 from dataclasses import asdict, dataclass
 
+from . import grad_buffer
 from .config import Config, ConfigError
 
 # Model families whose decoder layers Liger can patch (liger_kernel.transformers.monkey_patch).
@@ -216,12 +217,8 @@ def resolve(cfg: Config, hw: Hardware, model_type: str) -> dict[str, Choice]:
 
     # host gradient buffer (grad_buffer.py)
     hb, z = cfg.zero.host_grad_buffer, cfg.zero
-    why_not = [w for w, bad in (
-        ("zero.stage is 2", z.stage != 3), ("zero.offload_optimizer is none", z.offload_optimizer != "cpu"),
-        (f"gradients accumulate over {cfg.grad_accum_steps} micro-steps "
-         "(train.global_batch_size > micro_batch_size x GPUs)", cfg.grad_accum_steps > 1),
-        ("precision is fp16 (DeepSpeed's overflow check reads every partition's host copy)",
-         out["precision"].value == "fp16")) if bad]
+    why_not = grad_buffer.why_not(z.stage, z.offload_optimizer == "cpu", cfg.grad_accum_steps,
+                                  out["precision"].value)
     if hb == "shared" and why_not:
         problems.append(f"zero.host_grad_buffer: shared cannot run here: {'; '.join(why_not)}. "
                         "Set it to auto or full")

@@ -16,6 +16,7 @@ import dataclasses
 
 from .attention import fused_kernel
 from .estimate import GIB, Estimate, Fit, Setup, estimate, fits, param_numels
+from .grad_buffer import why_not
 from .tiled import skips_recompute, tiles
 
 
@@ -141,7 +142,7 @@ def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu
     gradient buffer (zero.host_grad_buffer) unless `share_grads` is off or the precision is fp16."""
     out = []
     for off, (opt, param) in OFFLOADS.items():
-        shared = share_grads and opt and base.precision != "fp16"
+        shared = share_grads and not why_not(3, opt, 1, base.precision)
         for mode in modes:
             for m in range(1, max_micro + 1):
                 s = dataclasses.replace(base, micro_batch=m, checkpointing=mode, zero_stage=3,
