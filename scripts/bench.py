@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from longft.atomic import write_json, write_text  # noqa: E402
-from longft.config import ConfigError, merge  # noqa: E402
-from longft.pipeline import run_params  # noqa: E402
+from longft.config.params import ConfigError, merge  # noqa: E402
+from longft.run.pipeline import run_params  # noqa: E402
 
 
 def overlay_params(overlay_path: Path) -> tuple[dict, dict, str]:

@@ -6,10 +6,10 @@ import time
 
 import torch
 
-from longft import attention
-from longft.config import ModelConfig
-from longft.model import build_model
-from longft.patch import apply
+from longft.model import attention
+from longft.config.params import ModelConfig
+from longft.model.loading import build_model
+from longft.model.patches import apply
 
 model = build_model(ModelConfig(name="llama3.2-1b"), "sdpa", torch.bfloat16).cuda()
 apply(model, liger=True, checkpointing="gpu")

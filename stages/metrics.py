@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from longft.metrics import load_plan, write_run_metrics
+from longft.metrics.summary import load_plan, write_run_metrics
 
 
 def _fmt(x, unit: str = "", nd: int = 2) -> str:

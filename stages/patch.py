@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from longft.atomic import write_json
-from longft.config import ConfigError, load
+from longft.config.params import ConfigError, load
 from longft.hardware import detect
-from longft.model import ModelError
-from longft.plan import make_plan
+from longft.model.loading import ModelError
+from longft.run.patch_stage import make_plan
 
 
 def main() -> int:

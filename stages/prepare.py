@@ -20,10 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="data/prepared", help="output directory (default: data/prepared)")
     args = ap.parse_args(argv)
 
-    from longft.config import ConfigError, load
+    from longft.config.params import ConfigError, load
     from longft.data.errors import DataError
     from longft.data.prepare import prepare
-    from longft.model import ModelError
+    from longft.model.loading import ModelError
 
     start = time.perf_counter()
     try:

@@ -20,16 +20,16 @@ import shutil
 import sys
 from pathlib import Path
 
-from longft.checkpoint import complete_steps, fingerprint
-from longft.config import ConfigError, load
-from longft.launch import LaunchError, command, environment, free_port, run
-from longft.preflight import host_memory
+from longft.engine.checkpoint import complete_steps, fingerprint
+from longft.config.params import ConfigError, load
+from longft.run.launch import LaunchError, command, environment, free_port, run
+from longft.run.preflight import host_memory
 
 
 def partial_metrics(run_dir: Path, plan_path: Path, out: Path) -> None:
     """The metrics stage's outputs, marked incomplete, from what the ranks of a stopped or failed
     run wrote."""
-    from longft.metrics import load_plan, write_run_metrics
+    from longft.metrics.summary import load_plan, write_run_metrics
 
     if not any(run_dir.glob("rank*.jsonl")):
         return

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longft.attention import context, priority
+from longft.model.attention import context, priority
 
 
 def test_priority_puts_the_choice_first_then_fallbacks():

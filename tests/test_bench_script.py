@@ -7,8 +7,8 @@ import sys
 import pytest
 import yaml
 
-from longft.config import from_dict, merge
-from longft.pipeline import REPO
+from longft.config.params import from_dict, merge
+from longft.run.pipeline import REPO
 
 OVERLAYS = sorted((REPO / "bench" / "configs").glob("*.yaml"))
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from longft.config import ConfigError, from_dict, load, merge
+from longft.config.params import ConfigError, from_dict, load, merge
 
 REPO = Path(__file__).resolve().parents[1]
 

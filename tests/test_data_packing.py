@@ -48,8 +48,8 @@ def test_packed_documents_do_not_attend_to_each_other_in_a_model():
     """Logits of doc 2 in a packed row equal doc 2 alone, with use_cache=False only."""
     from transformers import AutoModelForCausalLM
 
-    from longft.config import ModelConfig
-    from longft.model import load_model_config
+    from longft.config.params import ModelConfig
+    from longft.model.loading import load_model_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(load_model_config(ModelConfig()), dtype=torch.float32,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from longft.trainer import SkipFirst, _batches
+from longft.engine.trainer import SkipFirst, _batches
 
 
 class Counted(Dataset):

@@ -7,14 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from longft.config import from_dict
+from longft.config.params import from_dict
 from longft.data.errors import BadRecords, DataError
 from longft.data.prepare import length_histogram, prepare
 from longft.data.records import RecordReader
 from longft.data.store import PreparedDataset
 from longft.data.synthetic import synthetic_records
 from longft.data.tokenize import chat_token_count
-from longft.model import ModelError
+from longft.model.loading import ModelError
 
 REPO = Path(__file__).resolve().parents[1]
 

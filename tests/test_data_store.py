@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from longft.config import from_dict
+from longft.config.params import from_dict
 from longft.data.errors import DataError
 from longft.data.prepare import prepare
 from longft.data.store import DatasetWriter, PreparedDataset, write_dataset

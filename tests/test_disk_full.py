@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from longft.checkpoint import CheckpointError, _failed, complete_steps, fingerprint
-from longft.config import load, merge
-from longft.launch import environment, free_port
-from longft.pipeline import REPO, run_all, run_stage, stage_commands
+from longft.engine.checkpoint import CheckpointError, _failed, complete_steps, fingerprint
+from longft.config.params import load, merge
+from longft.run.launch import environment, free_port
+from longft.run.pipeline import REPO, run_all, run_stage, stage_commands
 
 OVERLAY = {"data": {"num_samples": 6, "max_seq_length": 1024},
            "train": {"iterations": 5, "warmup_iterations": 1},
@@ -35,7 +35,7 @@ def save(obj, f, *a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
     return real(obj, f, *a, **k)
 torch.save = save
-from longft.worker import main
+from longft.engine.worker import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -121,7 +121,7 @@ def test_a_full_disk_outside_the_periodic_save_is_named(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from longft.checkpoint import disk_full_message
+    from longft.engine.checkpoint import disk_full_message
 
     enospc = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "export" / "x.bin"))
     msg = disk_full_message(enospc, [None, tmp_path / "export"])

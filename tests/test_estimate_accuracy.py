@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from longft.config import from_dict
-from longft.estimate import compare, estimate_for_plan
+from longft.config.params import from_dict
+from longft.estimate.estimator import compare, estimate_for_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,8 +72,8 @@ def _row_params():
 
 def _estimate(path):
     """The row's params, its raw JSON and the current estimator's prediction for it."""
-    from longft.model import load_model_config
-    from longft.plan import architecture
+    from longft.model.loading import load_model_config
+    from longft.run.patch_stage import architecture
 
     row = json.loads(path.read_text())
     cfg = from_dict(row["params"])
@@ -135,11 +135,11 @@ def test_max_context_gpu_runs_within_10_percent():
     run that fitted, re-estimated from its overlay at its length, within 10 % (allocated, host)."""
     import yaml
 
-    from longft.config import merge
-    from longft.estimate import GIB, estimate, setup_from_config
+    from longft.config.params import merge
+    from longft.estimate.estimator import GIB, estimate, setup_from_config
     from longft.hardware import Hardware, resolve
-    from longft.model import load_model_config
-    from longft.plan import architecture
+    from longft.model.loading import load_model_config
+    from longft.run.patch_stage import architecture
 
     report = json.loads((REPO / "bench/results/maxctx-1b-16gib-maxctx.json").read_text())
     run = next(r for r in report["runs"] if r["status"] == "fits")

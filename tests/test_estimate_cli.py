@@ -1,15 +1,14 @@
-"""`longft estimate | plan | max-context` (longft.estimate_cli) on CPU with faked hardware."""
+"""`longft estimate | plan | max-context` (longft.cli.estimate) on CPU with faked hardware."""
 
 import dataclasses
 
 import pytest
 import yaml
 
-from longft import estimate_cli
-from longft.config import from_dict, merge
-from longft.estimate import GIB, Setup, estimate, fits
-from longft.estimate_cli import (best, candidates_for_confirmation, main, max_context, search,
-                                 tokens_per_second)
+from longft.cli import estimate as estimate_cli
+from longft.config.params import from_dict, merge
+from longft.estimate.estimator import GIB, Setup, estimate, fits
+from longft.cli.estimate import best, candidates_for_confirmation, main, max_context, search, tokens_per_second
 from longft.hardware import Hardware
 
 H200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
@@ -93,8 +92,8 @@ def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
     search keeps attention outputs and checkpoints on the GPU until one more would not fit it."""
     import json
 
-    from longft.pipeline import REPO
-    from longft.placement import keep_on_gpu, overlay
+    from longft.run.pipeline import REPO
+    from longft.estimate.placement import keep_on_gpu, overlay
 
     arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
     base = Setup(micro_batch=1, seq_len=128000, tiled_mlp=True, offload_optimizer=True,
@@ -184,7 +183,7 @@ def test_max_context_command(tmp_path, on, capsys):
 
 def test_cli_dispatches_here(on, tmp_path, capsys):
     """The `longft` console script (another module) hands these commands to main()."""
-    cli = pytest.importorskip("longft.cli")
+    cli = pytest.importorskip("longft.cli.main")
     on(H200)
     assert cli.main(["estimate", "--params", str(write_params(tmp_path))]) == 0
     assert "peak DRAM" in capsys.readouterr().out
@@ -201,8 +200,8 @@ def test_near_ties_go_to_the_placement_using_less_of_the_machine():
     needs by filling ~170 GiB of host RAM; the plan keeps everything on the GPUs."""
     import json
 
-    from longft.pipeline import REPO
-    from longft.placement import overlay
+    from longft.run.pipeline import REPO
+    from longft.estimate.placement import overlay
 
     arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
     base = Setup(micro_batch=1, seq_len=128000, tiled_mlp=True, world_size=8, ranks_per_node=8)

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from longft.config import merge
-    from longft.pipeline import REPO, run_all
+    from longft.config.params import merge
+    from longft.run.pipeline import REPO, run_all
 
     work = tmp_path_factory.mktemp("export")
     params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),

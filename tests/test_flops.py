@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from longft.flops import PEAK_TFLOPS, flops_per_token, gpu_model_key, matmul_params, mfu, peak_flops
+from longft.estimate.flops import PEAK_TFLOPS, flops_per_token, gpu_model_key, matmul_params, mfu, peak_flops
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 

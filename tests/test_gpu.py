@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.gpu,
 def _tiny(dtype):
     from transformers import AutoModelForCausalLM
 
-    from longft.config import ModelConfig
-    from longft.model import load_model_config
+    from longft.config.params import ModelConfig
+    from longft.model.loading import load_model_config
 
     cfg = load_model_config(ModelConfig(name="tiny-llama"))
     torch.manual_seed(0)
@@ -36,7 +36,7 @@ def test_liger_matches_unpatched_model(dtype, rtol, monkeypatch):
 
     from transformers.models.llama import modeling_llama
 
-    from longft.patch import apply
+    from longft.model.patches import apply
 
     # Liger also swaps module-level classes/functions; restore them after this test.
     for name in ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb"):
@@ -59,8 +59,8 @@ def test_liger_matches_unpatched_model(dtype, rtol, monkeypatch):
 
 def test_pipeline_on_gpu_with_liger_under_zero3(tmp_path):
     """The default tiny pipeline on CUDA: Liger's fused loss under ZeRO-3 partitioning, CPU Adam."""
-    from longft.config import merge
-    from longft.pipeline import REPO, run_all
+    from longft.config.params import merge
+    from longft.run.pipeline import REPO, run_all
 
     params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
                    {"train": {"iterations": 8, "warmup_iterations": 2},
@@ -103,7 +103,7 @@ def test_sdpa_backends_match_math_and_really_run(backend, monkeypatch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers.integrations import sdpa_attention
 
-    from longft.attention import expand_kv_heads
+    from longft.model.attention import expand_kv_heads
 
     monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", sdpa_attention.use_gqa_in_sdpa)
     model = _tiny(torch.bfloat16)
@@ -124,7 +124,7 @@ def test_sdpa_backends_match_math_and_really_run(backend, monkeypatch):
 def test_packed_documents_stay_separated_under_each_kernel_order(backend):
     import numpy as np
 
-    from longft.attention import context
+    from longft.model.attention import context
     from longft.data.packing import build_row
     from longft.data.tokenize import Sample
 
@@ -154,7 +154,7 @@ def _mid_model():
 
 @pytest.mark.parametrize("gpu_layers", [0, 3])
 def test_cpu_offload_checkpoints_same_grads_and_frees_what_it_moves(gpu_layers):
-    from longft.patch import offload_checkpoints
+    from longft.model.patches import offload_checkpoints
 
     model = _mid_model()
     offloader = offload_checkpoints(model, gpu_layers)
@@ -202,7 +202,7 @@ def test_tiled_mlp_matches_the_plain_mlp_in_bf16_with_liger(monkeypatch):
 
     from transformers.models.llama import modeling_llama
 
-    from longft.patch import apply
+    from longft.model.patches import apply
 
     for name in ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb"):
         monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
@@ -231,9 +231,9 @@ def test_keep_attention_skips_the_cudnn_forward_in_backward_with_the_same_grads(
     seed/offset tensors and at most one allocator block)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from longft import attention
-    from longft.keep_attention import keep_outputs
-    from longft.tiled import decoder_layers
+    from longft.model import attention
+    from longft.model.keep_attention import keep_outputs
+    from longft.model.tiled_mlp import decoder_layers
 
     cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
 
@@ -282,8 +282,8 @@ def test_shared_host_grad_buffer_trains_like_the_full_one_on_cuda(tmp_path):
     """zero.host_grad_buffer: shared on the GPU, where the copies into and out of the one staging
     slot are asynchronous (they run in order on DeepSpeed's reduce stream): the same losses as
     DeepSpeed's own per-partition buffer, with the parameters and the optimizer on the CPU."""
-    from longft.config import merge
-    from longft.pipeline import REPO, run_params
+    from longft.config.params import merge
+    from longft.run.pipeline import REPO, run_params
 
     losses = {}
     for mode in ("full", "shared"):

@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
-from longft.config import ModelConfig, merge
-from longft.estimate import GIB, Setup, estimate
-from longft.grad_buffer import MAP, GradBufferError, share
-from longft.model import load_model_config
-from longft.pipeline import REPO, run_params, run_stage, stage_commands
-from longft.plan import architecture
+from longft.config.params import ModelConfig, merge
+from longft.estimate.estimator import GIB, Setup, estimate
+from longft.engine.grad_buffer import MAP, GradBufferError, share
+from longft.model.loading import load_model_config
+from longft.run.pipeline import REPO, run_params, run_stage, stage_commands
+from longft.run.patch_stage import architecture
 
 # DeepSpeed's warm-up runs step 1 at lr 0; steps 2-5 update the weights, so the losses of steps
 # 3-5 depend on the updates made through the gradient buffer
@@ -89,8 +89,8 @@ def test_share_refuses_what_it_cannot_do():
 def test_checkpoint_fingerprint_ignores_the_host_grad_buffer():
     """The buffer does not change the trajectory (above), so a run may resume across a change of
     it, and checkpoints written before the knob existed still resume; other zero knobs count."""
-    from longft.checkpoint import fingerprint
-    from longft.config import from_dict
+    from longft.engine.checkpoint import fingerprint
+    from longft.config.params import from_dict
 
     one = {"train": {"global_batch_size": 1}}
     fps = {m: fingerprint(from_dict(merge(one, {"zero": {"host_grad_buffer": m}})))

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from longft import patch
-from longft.keep_attention import kernel_ops
-from longft.config import ConfigError, from_dict, merge
-from longft.estimate import estimate
-from longft.estimate_types import Setup
-from longft.placement import keep_on_gpu, step_seconds
+from longft.model import patches as patch
+from longft.model.keep_attention import kernel_ops
+from longft.config.params import ConfigError, from_dict, merge
+from longft.estimate.estimator import estimate
+from longft.estimate.types import Setup
+from longft.estimate.placement import keep_on_gpu, step_seconds
 from test_offload import CpuHooks, tiny_model  # tests/ is on sys.path under pytest
 
 KERNELS = kernel_ops()
@@ -98,7 +98,7 @@ def test_patch_refuses_what_cannot_keep_attention():
 def test_a_kept_output_goes_back_only_to_the_kernel_that_made_it():
     from collections import deque
 
-    from longft.keep_attention import KeptKernels
+    from longft.model.keep_attention import KeptKernels
 
     q = torch.randn(1, 2, 8, 4)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -117,8 +117,8 @@ def test_a_kept_output_goes_back_only_to_the_kernel_that_made_it():
 
 
 def test_trainer_warns_when_nothing_was_kept(capsys, monkeypatch):
-    from longft import trainer
-    from longft.keep_attention import KeptKernels
+    from longft.engine import trainer
+    from longft.model.keep_attention import KeptKernels
 
     monkeypatch.setattr(KeptKernels, "replayed_total", 0)
     trainer._first_step_warnings({"offloaded_bytes": 0}, None, {"attention_kept_layers": 2})
@@ -136,7 +136,7 @@ def test_trainer_warns_when_nothing_was_kept(capsys, monkeypatch):
 def test_config_refuses_bad_keep_attention(section, match):
     import yaml
 
-    from longft.pipeline import REPO
+    from longft.run.pipeline import REPO
 
     params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), {"checkpointing": section})
     with pytest.raises(ConfigError, match=match):

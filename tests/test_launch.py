@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from longft.config import from_dict
-from longft.launch import LaunchError, command, environment
+from longft.config.params import from_dict
+from longft.run.launch import LaunchError, command, environment
 
 ARGS = ["--params", "p.yaml"]
 
@@ -17,7 +17,7 @@ def test_deepspeed_single_node_gpu():
     assert cmd[cmd.index("--num_gpus") + 1] == "2"
     assert cmd[cmd.index("--num_nodes") + 1] == "1"
     assert "--no_local_rank" in cmd
-    assert cmd[cmd.index("--module") + 1] == "longft.worker"
+    assert cmd[cmd.index("--module") + 1] == "longft.engine.worker"
     assert cmd[-2:] == ARGS
 
 
@@ -61,7 +61,7 @@ def test_environment_fixes_arch_suffix_and_pins_accelerator():
 def test_free_port_avoids_a_taken_port():
     import socket
 
-    from longft.launch import free_port
+    from longft.run.launch import free_port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -76,7 +76,7 @@ def test_each_python_environment_gets_its_own_op_build_folder():
 
 
 def test_stale_cpu_allreduce_buffers_of_a_port_are_removed(tmp_path):
-    from longft.launch import drop_shm_buffers
+    from longft.run.launch import drop_shm_buffers
     mine = tmp_path / "deepspeed_allreduce_buffer_0_127.0.0.1_29511_0"
     other = tmp_path / "deepspeed_allreduce_buffer_0_127.0.0.1_29600_0"
     mine.write_bytes(b"x")

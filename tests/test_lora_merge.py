@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from longft.export import lora_layers, merge_lora
+from longft.engine.export import lora_layers, merge_lora
 
 
 def _randomize_lora(model, seed=0):
@@ -21,8 +21,8 @@ def _randomize_lora(model, seed=0):
 def _llama(dtype):
     from transformers import AutoModelForCausalLM
 
-    from longft.config import ModelConfig
-    from longft.model import load_model_config
+    from longft.config.params import ModelConfig
+    from longft.model.loading import load_model_config
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(load_model_config(ModelConfig()), dtype=dtype).eval()
@@ -85,7 +85,7 @@ def test_bf16_merge_is_done_in_fp32_and_stays_bf16():
 
 
 def test_export_lora_is_validated():
-    from longft.config import ConfigError, from_dict
+    from longft.config.params import ConfigError, from_dict
 
     assert from_dict({}).output.export_lora == "adapter"
     with pytest.raises(ConfigError, match=r"output.export_lora: 'full' is not one of 'adapter' \| 'merged'"):
@@ -98,9 +98,9 @@ def test_lora_trained_under_zero3_exports_a_merged_model(tmp_path, byte_tokenize
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from longft.config import ModelConfig, merge
-    from longft.model import load_model_config
-    from longft.pipeline import REPO, run_all
+    from longft.config.params import ModelConfig, merge
+    from longft.model.loading import load_model_config
+    from longft.run.pipeline import REPO, run_all
 
     base_dir = tmp_path / "base"
     torch.manual_seed(0)

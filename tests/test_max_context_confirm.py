@@ -1,4 +1,4 @@
-"""`longft max-context --confirm` (longft.confirm): the search order and stop rules with a fake
+"""`longft max-context --confirm` (longft.run.confirm): the search order and stop rules with a fake
 runner, the checks before any run, and one real confirmation through the stages on the CPU."""
 
 import json
@@ -7,12 +7,12 @@ import os
 import pytest
 import yaml
 
-from longft import confirm
-from longft.confirm import ERROR, FITS, NO_FIT, RunResult, memory_failure, run_overlay, search, vram_cap
-from longft.config import ConfigError, merge
-from longft.estimate_cli import main
+from longft.run import confirm
+from longft.run.confirm import ERROR, FITS, NO_FIT, RunResult, memory_failure, run_overlay, search, vram_cap
+from longft.config.params import ConfigError, merge
+from longft.cli.estimate import main
 from longft.hardware import Hardware
-from longft.pipeline import REPO
+from longft.run.pipeline import REPO
 
 K = 1024
 CANDIDATES = [58 * K, 61 * K, 64 * K, 67 * K, 70 * K]   # candidates_for_confirmation(65536)
@@ -232,9 +232,9 @@ def test_auto_tiling_is_searched_where_it_applies():
     tiled lengths first and the untiled ones below 65,536 only when no tiled length fits."""
     import dataclasses
 
-    from longft.estimate_cli import _max_context_auto_tiled, max_context
-    from longft.estimate_types import Setup
-    from longft.pipeline import REPO
+    from longft.cli.estimate import _max_context_auto_tiled, max_context
+    from longft.estimate.types import Setup
+    from longft.run.pipeline import REPO
 
     arch = json.loads((REPO / "configs/models/llama3.2-1b.json").read_text())
     base = Setup(micro_batch=1, seq_len=4096, checkpointing="gpu", offload_optimizer=True)

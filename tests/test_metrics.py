@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from longft import atomic
-from longft.flops import flops_per_token
-from longft.metrics import summarize, write_outputs
+from longft.estimate.flops import flops_per_token
+from longft.metrics.summary import summarize, write_outputs
 
 GIB = 1024**3
 REPO = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from longft import monitor
-from longft.monitor import HostSampler, gpu_inventory, rss_tree_bytes
+from longft.measure import monitor
+from longft.measure.monitor import HostSampler, gpu_inventory, rss_tree_bytes
 
 MIB = 1024**2
 GIB = 1024**3

@@ -4,7 +4,7 @@ to plain checkpointing, and the prefetch order. The CUDA path is in tests/test_g
 import pytest
 import torch
 
-from longft.offload import OffloadHooks
+from longft.model.checkpoint_offload import OffloadHooks
 
 
 class CpuHooks(OffloadHooks):
@@ -27,8 +27,8 @@ class CpuHooks(OffloadHooks):
 def tiny_model():
     from transformers import AutoModelForCausalLM
 
-    from longft.config import ModelConfig
-    from longft.model import load_model_config
+    from longft.config.params import ModelConfig
+    from longft.model.loading import load_model_config
 
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(load_model_config(ModelConfig()), dtype=torch.float32,
@@ -85,7 +85,7 @@ def test_small_tensors_and_parameters_stay_put():
 
 @pytest.mark.parametrize("mode", ["cpu_offload"])
 def test_plan_accepts_cpu_offload_on_a_gpu(mode):
-    from longft.config import from_dict
+    from longft.config.params import from_dict
     from longft.hardware import Hardware, resolve
 
     h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
@@ -102,7 +102,7 @@ def _decoder_layers(model):
 
 @pytest.mark.parametrize("gpu_layers", [0, 1])
 def test_checkpoint_offload_moves_only_the_layer_inputs(gpu_layers):
-    from longft.offload import CheckpointOffload
+    from longft.model.checkpoint_offload import CheckpointOffload
 
     model = tiny_model()
     ids = torch.randint(1, 300, (1, 256))
@@ -122,8 +122,8 @@ def test_checkpoint_offload_moves_only_the_layer_inputs(gpu_layers):
 
 
 def test_checkpoint_offload_needs_checkpointing_and_bounds_gpu_layers():
-    from longft.offload import CheckpointOffload
-    from longft.patch import offload_checkpoints
+    from longft.model.checkpoint_offload import CheckpointOffload
+    from longft.model.patches import offload_checkpoints
 
     model = tiny_model()
     with pytest.raises(ValueError, match="gpu_layers is 9 but the model has 2 decoder layers"):

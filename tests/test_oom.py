@@ -9,9 +9,9 @@ import sys
 
 import yaml
 
-from longft.config import merge
-from longft.launch import environment, free_port
-from longft.pipeline import REPO, run_all, run_stage, stage_commands
+from longft.config.params import merge
+from longft.run.launch import environment, free_port
+from longft.run.pipeline import REPO, run_all, run_stage, stage_commands
 
 OVERLAY = {"data": {"num_samples": 4, "max_seq_length": 1024},
            "train": {"iterations": 4, "warmup_iterations": 1},
@@ -29,7 +29,7 @@ def step(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     return real(*a, **k)
 trainer._step = step
-from longft.worker import main
+from longft.engine.worker import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from longft.opbuild import diagnose
+from longft.engine.opbuild import diagnose
 
 
 @pytest.fixture
@@ -94,8 +94,8 @@ def test_other_errors_are_left_alone():
 def test_worker_prints_one_message_and_exits_2(monkeypatch, tmp_path, capsys, cpu_adam):
     import torch.utils.cpp_extension as ce
 
-    from longft import worker
-    from longft.pipeline import REPO
+    from longft.engine import worker
+    from longft.run.pipeline import REPO
 
     monkeypatch.setattr(ce, "verify_ninja_availability", lambda: (_ for _ in ()).throw(
         RuntimeError("Ninja is required to load C++ extensions")))
@@ -124,9 +124,9 @@ def _no_compiler_path(farm):
 def test_training_without_a_compiler_explains_the_cpu_adam_build(tmp_path):
     """A real run (ZeRO-3, zero.offload_optimizer: cpu) with no C++ compiler on PATH and an empty
     op build folder: DeepSpeed must JIT-build cpu_adam and cannot."""
-    from longft.config import merge
-    from longft.launch import environment
-    from longft.pipeline import REPO, run_all, stage_commands
+    from longft.config.params import merge
+    from longft.run.launch import environment
+    from longft.run.pipeline import REPO, run_all, stage_commands
 
     if shutil.which("c++") is None:
         pytest.skip("needs a C++ compiler to build the CPU comm op this test keeps")

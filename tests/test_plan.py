@@ -2,10 +2,10 @@
 
 import pytest
 
-from longft import ds_config
-from longft.config import from_dict
+from longft.engine import ds_config
+from longft.config.params import from_dict
 from longft.hardware import Hardware, PlanError, resolve
-from longft.plan import make_plan
+from longft.run.patch_stage import make_plan
 
 V100 = Hardware(device="cuda", gpu_name="Tesla V100-SXM2-16GB", gpu_count=8, capability=(7, 0),
                 gpu_mem_gib=15.8, host_mem_gib=384, cpu_count=48, flash_attn=False, liger=True)
@@ -192,6 +192,6 @@ def test_make_plan_lora_counts_adapter_params():
 
 
 def test_make_plan_unknown_architecture():
-    from longft.model import ModelError
+    from longft.model.loading import ModelError
     with pytest.raises(ModelError, match="configs/models"):
         make_plan(from_dict({"model": {"name": "no-such-model"}}), CPU)

@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import yaml
 
-from longft.config import from_dict, merge
-from longft.estimate import GIB, estimate, fits, setup_from_config
+from longft.config.params import from_dict, merge
+from longft.estimate.estimator import GIB, estimate, fits, setup_from_config
 from longft.hardware import Hardware, resolve
-from longft.model import load_model_config
-from longft.pipeline import REPO
-from longft.plan import architecture
+from longft.model.loading import load_model_config
+from longft.run.pipeline import REPO
+from longft.run.patch_stage import architecture
 
 
 @dataclasses.dataclass(frozen=True)

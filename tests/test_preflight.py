@@ -9,9 +9,9 @@ import sys
 import pytest
 import yaml
 
-from longft.config import ConfigError, from_dict, load, merge
-from longft.pipeline import REPO, run_all
-from longft.preflight import HostMemoryError, host_memory
+from longft.config.params import ConfigError, from_dict, load, merge
+from longft.run.pipeline import REPO, run_all
+from longft.run.preflight import HostMemoryError, host_memory
 
 GIB = 2**30
 VM = collections.namedtuple("svmem", "total available percent used free")
@@ -35,7 +35,7 @@ def plan_with(rss_gib, device="cpu", checkpointing="gpu"):
 @pytest.fixture(scope="module")
 def default_plan():
     from longft.hardware import detect
-    from longft.plan import make_plan
+    from longft.run.patch_stage import make_plan
 
     return make_plan(load(REPO / "params.yaml"), detect())[0]
 

@@ -14,9 +14,9 @@ def test_pretrained_model_with_lora_trains_and_exports_an_adapter(tmp_path, byte
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from longft.config import ModelConfig, merge
-    from longft.model import load_model_config
-    from longft.pipeline import REPO, run_all
+    from longft.config.params import ModelConfig, merge
+    from longft.model.loading import load_model_config
+    from longft.run.pipeline import REPO, run_all
 
     base_dir = tmp_path / "base"
     torch.manual_seed(0)

@@ -4,14 +4,14 @@ import io
 
 import torch
 
-from longft.progress import LayerProgress
+from longft.measure.progress import LayerProgress
 
 
 def tiny(checkpointing: bool):
     from transformers import AutoModelForCausalLM
 
-    from longft.config import ModelConfig
-    from longft.model import load_model_config
+    from longft.config.params import ModelConfig
+    from longft.model.loading import load_model_config
 
     m = AutoModelForCausalLM.from_config(load_model_config(ModelConfig()), dtype=torch.float32)
     m.config.use_cache = False

@@ -13,9 +13,9 @@ import psutil
 import pytest
 import yaml
 
-from longft.checkpoint import complete_steps, fingerprint
-from longft.config import load, merge
-from longft.pipeline import REPO, run_all, run_stage, stage_commands
+from longft.engine.checkpoint import complete_steps, fingerprint
+from longft.config.params import load, merge
+from longft.run.pipeline import REPO, run_all, run_stage, stage_commands
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def workers(root: int, tag: str) -> list[psutil.Process]:
         try:
             cmd = p.cmdline()
             module = cmd[cmd.index("-m") + 1] if "-m" in cmd else None
-            if module == "longft.worker" and tag in " ".join(cmd):  # not the launcher's own
+            if module == "longft.engine.worker" and tag in " ".join(cmd):  # not the launcher's own
                 out.append(p)
         except psutil.Error:
             continue

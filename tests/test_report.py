@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from longft import cli, report
-from longft.report import Run
+from longft.cli import main as cli
+from longft.metrics import report
+from longft.metrics.report import Run
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "exp_show.json"
@@ -196,15 +197,15 @@ def test_cli_report_from_json_to_stdout(tmp_path, capsys, params):
 
 def test_cli_estimate_dispatch(monkeypatch):
     seen = []
-    fake = types.ModuleType("longft.estimate_cli")
+    fake = types.ModuleType("longft.cli.estimate")
     fake.main = lambda command, argv: seen.append((command, argv)) or 1
-    monkeypatch.setitem(sys.modules, "longft.estimate_cli", fake)
+    monkeypatch.setitem(sys.modules, "longft.cli.estimate", fake)
     assert cli.main(["max-context", "--gpu-mem", "80"]) == 1
     assert seen == [("max-context", ["--gpu-mem", "80"])]
 
 
 def test_cli_estimate_not_available(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "longft.estimate_cli", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "longft.cli.estimate", None)  # import raises ImportError
     assert cli.main(["plan", "--gpus", "1"]) == 2
     assert "longft plan: not available" in capsys.readouterr().err
 

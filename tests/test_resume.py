@@ -10,8 +10,8 @@ import time
 import pytest
 import yaml
 
-from longft.config import merge
-from longft.pipeline import REPO, run_all, run_stage, stage_commands
+from longft.config.params import merge
+from longft.run.pipeline import REPO, run_all, run_stage, stage_commands
 
 pytestmark = pytest.mark.slow
 

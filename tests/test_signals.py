@@ -14,8 +14,8 @@ import pytest
 from test_resume import losses
 from test_resume import setup as make_run  # tests/ is on sys.path under pytest
 
-from longft.pipeline import run_stage, stage_commands
-from longft.stop import Stopped, StopRequest, exit_code, python_module
+from longft.run.pipeline import run_stage, stage_commands
+from longft.engine.stop import Stopped, StopRequest, exit_code, python_module
 
 
 def _wait_for(cond, timeout=30.0, proc=None):
@@ -76,7 +76,7 @@ def _agree(rank, port, q):
 def test_all_ranks_agree_when_only_one_was_signalled():
     import multiprocessing
 
-    from longft.launch import free_port
+    from longft.run.launch import free_port
 
     ctx = multiprocessing.get_context("spawn")
     q, port = ctx.Queue(), free_port(29533)
@@ -91,16 +91,16 @@ def test_all_ranks_agree_when_only_one_was_signalled():
 
 def test_a_rank_is_told_from_the_launchers_by_the_module_python_runs():
     py = sys.executable
-    assert python_module([py, "-u", "-m", "longft.worker", "--params", "p.yaml"]) == "longft.worker"
-    assert python_module([py, "-m", "deepspeed.launcher.runner", "--module", "longft.worker"]) \
+    assert python_module([py, "-u", "-m", "longft.engine.worker", "--params", "p.yaml"]) == "longft.engine.worker"
+    assert python_module([py, "-m", "deepspeed.launcher.runner", "--module", "longft.engine.worker"]) \
         == "deepspeed.launcher.runner"
     assert python_module([py, "-u", "-m", "deepspeed.launcher.launch", "--module",
-                          "longft.worker"]) == "deepspeed.launcher.launch"
-    assert python_module([py, "-m", "torch.distributed.run", "-m", "longft.worker"]) \
+                          "longft.engine.worker"]) == "deepspeed.launcher.launch"
+    assert python_module([py, "-m", "torch.distributed.run", "-m", "longft.engine.worker"]) \
         == "torch.distributed.run"
-    assert python_module([py, "-X", "faulthandler", "-m", "longft.worker"]) == "longft.worker"
-    assert python_module([py, "stages/train.py", "-m", "longft.worker"]) is None
-    assert python_module([py, "-c", "pass", "-m", "longft.worker"]) is None
+    assert python_module([py, "-X", "faulthandler", "-m", "longft.engine.worker"]) == "longft.engine.worker"
+    assert python_module([py, "stages/train.py", "-m", "longft.engine.worker"]) is None
+    assert python_module([py, "-c", "pass", "-m", "longft.engine.worker"]) is None
 
 
 def test_exit_codes():
@@ -122,7 +122,7 @@ def die(signum, frame):  # like DeepSpeed's launch.py: kill the ranks at once
 signal.signal(signal.SIGINT, die)
 signal.signal(signal.SIGTERM, die)
 if "--inner" in sys.argv:  # like deepspeed.launcher.launch, started by the runner
-    child = subprocess.Popen([sys.executable, "-u", "-m", "longft.worker", str(d)], cwd=d)
+    child = subprocess.Popen([sys.executable, "-u", "-m", "longft.engine.worker", str(d)], cwd=d)
 else:  # like deepspeed.launcher.runner
     child = subprocess.Popen([sys.executable, *sys.argv, "--inner"])
 sys.exit(child.wait())
@@ -148,13 +148,14 @@ def _stage(tmp_path, parent=False):
     """A stand-in train stage (launch.run of LAUNCHER) in a new session; with `parent`, started
     through a parent process that only waits for it (like dvc)."""
     (tmp_path / "launcher.py").write_text(LAUNCHER)
-    (tmp_path / "longft").mkdir()  # a stand-in rank: `python -u -m longft.worker` in tmp_path
+    (tmp_path / "longft" / "engine").mkdir(parents=True)  # a stand-in rank: `python -u -m longft.engine.worker` in tmp_path
     (tmp_path / "longft" / "__init__.py").write_text("")
-    (tmp_path / "longft" / "worker.py").write_text(RANK)
+    (tmp_path / "longft" / "engine" / "__init__.py").write_text("")
+    (tmp_path / "longft" / "engine" / "worker.py").write_text(RANK)
     (tmp_path / "run").mkdir()
-    stage = (f"import os, sys\nfrom pathlib import Path\nfrom longft.launch import run\n"
+    stage = (f"import os, sys\nfrom pathlib import Path\nfrom longft.run.launch import run\n"
              f"sys.exit(run([sys.executable, {str(tmp_path / 'launcher.py')!r}, "
-             f"{str(tmp_path)!r}, '--module', 'longft.worker'], dict(os.environ), Path({str(tmp_path / 'run')!r})))")
+             f"{str(tmp_path)!r}, '--module', 'longft.engine.worker'], dict(os.environ), Path({str(tmp_path / 'run')!r})))")
     cmd = [sys.executable, "-c", stage]
     if parent:
         cmd = [sys.executable, "-c", "import subprocess, sys, time\n"
@@ -210,7 +211,7 @@ def test_the_pipeline_passes_sigterm_on_to_the_stage_and_fails_with_its_code(tmp
     stage = ("import pathlib, signal, sys, time\n"
              "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))\n"
              f"pathlib.Path({str(up)!r}).write_text('up')\ntime.sleep(60)")
-    pipeline = ("import sys\nfrom longft.pipeline import StageFailed, run_stage\n"
+    pipeline = ("import sys\nfrom longft.run.pipeline import StageFailed, run_stage\n"
                 f"try:\n    run_stage('train', [sys.executable, '-c', {stage!r}])\n"
                 "except StageFailed as e:\n    sys.exit(e.code)")
     proc = subprocess.Popen([sys.executable, "-c", pipeline], start_new_session=True)

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from longft import cli, sweep
-from longft.config import from_dict, merge
+from longft.cli import main as cli
+from longft.run import sweep
+from longft.config.params import from_dict, merge
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 import yaml
 
-from longft import tiled
-from longft.config import from_dict, merge
-from longft.estimate_arch import dims
-from longft.estimate_gpu import layer_activation_bytes
-from longft.estimate_types import Setup
-from longft.pipeline import REPO, run_all
+from longft.model import tiled_mlp as tiled
+from longft.config.params import from_dict, merge
+from longft.estimate.arch import dims
+from longft.estimate.gpu import layer_activation_bytes
+from longft.estimate.types import Setup
+from longft.run.pipeline import REPO, run_all
 from test_offload import tiny_model as _model  # tests/ is on sys.path under pytest
 
 
@@ -74,7 +74,7 @@ def test_recompute_skips_the_mlp_arithmetic_and_keeps_the_gradients(skip):
 
 
 def test_patch_skips_the_recompute_only_where_it_is_safe(monkeypatch):
-    from longft import patch
+    from longft.model import patches as patch
 
     seen = []
     monkeypatch.setattr(patch, "tiled_mlps", lambda m, t, skip_recompute: seen.append(skip_recompute))

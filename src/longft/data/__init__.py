@@ -7,6 +7,6 @@ training-side reader), `prepare` (the stage, with stats.json). Importing this pa
 heavy; import the submodule you need.
 """
 
-from .errors import DataError
+from longft.data.errors import DataError
 
 __all__ = ["DataError"]

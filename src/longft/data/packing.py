@@ -24,8 +24,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .errors import BadRecords, DataError
-from .tokenize import IGNORE_INDEX, Sample
+from longft.data.errors import BadRecords, DataError
+from longft.data.tokenize import IGNORE_INDEX, Sample
 
 
 def fit_length(sample: Sample, max_len: int, truncate: bool, bad: BadRecords) -> Sample | None:

@@ -15,15 +15,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..config import Config
-from ..model import check_vocab, load_model_config, load_tokenizer
-from .errors import BadRecords, DataError
-from .packing import fit_length, iter_rows, plan_rows, trainable_tokens
-from .random_tokens import random_rows
-from .records import RecordReader
-from .store import DatasetWriter
-from .synthetic import synthetic_records
-from .tokenize import IGNORE_INDEX, Sample, chat_token_count, tokenize_record
+from longft.config.params import Config
+from longft.model.loading import check_vocab, load_model_config, load_tokenizer
+from longft.data.errors import BadRecords, DataError
+from longft.data.packing import fit_length, iter_rows, plan_rows, trainable_tokens
+from longft.data.random_tokens import random_rows
+from longft.data.records import RecordReader
+from longft.data.store import DatasetWriter
+from longft.data.synthetic import synthetic_records
+from longft.data.tokenize import IGNORE_INDEX, Sample, chat_token_count, tokenize_record
 
 
 def length_histogram(lengths) -> dict[str, int]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..config import DataConfig
-from .errors import BadRecords, DataError
+from longft.config.params import DataConfig
+from longft.data.errors import BadRecords, DataError
 
 FORMATS = ("messages", "prompt_completion", "text")
 

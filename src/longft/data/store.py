@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import DataError
+from longft.data.errors import DataError
 
 ARRAYS = ("input_ids", "labels", "position_ids")
 META = "meta.json"

@@ -18,8 +18,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .errors import DataError
-from .records import Record
+from longft.data.errors import DataError
+from longft.data.records import Record
 
 _SYLLABLES = ("ka", "lo", "ven", "dra", "mi", "sor", "tal", "rin", "bek", "ul", "zan", "fe", "qui",
               "mor", "es", "tha", "gil", "pra", "nox", "ard", "vel", "cor", "isk", "bru")

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import DataError
-from .records import Record
+from longft.data.errors import DataError
+from longft.data.records import Record
 
 IGNORE_INDEX = -100
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -1,0 +1,293 @@
+"""Predict before you run: `longft estimate`, `longft plan` and `longft max-context`.
+
+    longft estimate [--params params.yaml] [--gpu-mem GiB] [--host-mem GiB]
+    longft plan --gpu-mem 80 --host-mem 256 --gpus 1 --model llama3.1-8b --seq 65536 [--out overlay.yaml]
+    longft max-context [--params params.yaml] [--gpu-mem GiB] [--host-mem GiB] [--max-seq N] \
+        [--confirm [--iterations 2] [--work DIR] [--out FILE]]
+
+(`longft` is the console script of longft.cli, which hands these commands to `main(command, argv)`;
+`python -m longft.cli estimate ...` works without installing it.)
+
+estimate: the itemised memory table of a params file; exit 0 when it fits, 1 when it does not.
+plan: the fastest placement that fits (offload x checkpointing x micro-batch), written as a params
+overlay; exit 1 with the closest candidate's numbers when nothing fits.
+max-context: the longest sequence (a multiple of 1024) that fits, by binary search; with --confirm,
+short real training runs at `candidates_for_confirmation()`, longest first, find the longest that
+does train (longft.run.confirm; exit 0 found, 1 none fits, 2 bad input or a run failed otherwise).
+GPU and host sizes default to the detected hardware; the flags override. Formulas, calibration and
+the speed heuristic: docs/estimator.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from longft.estimate.estimator import GIB, Setup, describe, estimate, fits, format_table, setup_from_config
+from longft.hardware import TILED_MLP_FROM
+from longft.estimate.placement import MODES, best, overlay, search, tokens_per_second
+from longft.estimate.max_context import SEQ_STEP, _max_context_auto_tiled, candidates_for_confirmation, max_context
+
+__all__ = [
+    "main", "COMMANDS", "cmd_estimate", "cmd_plan", "cmd_max_context", "SEQ_STEP", "max_context",
+    "candidates_for_confirmation",
+    # from longft.estimate.placement and .max_context, for the tests
+    "tokens_per_second", "MODES", "search", "best", "overlay",
+]
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def _architecture(model_cfg) -> dict:
+    from longft.model.loading import load_model_config
+    from longft.run.patch_stage import architecture
+
+    return architecture(load_model_config(model_cfg))
+
+
+def _target_hardware(hw, num_gpus: int):
+    """The hardware to resolve `auto` against: this machine's GPU, or, planning from a machine
+    without one, an Ampere-or-newer GPU with Liger installed (said in the output)."""
+    from longft.hardware import Hardware
+
+    if hw.device == "cuda":
+        return dataclasses.replace(hw, gpu_count=max(hw.gpu_count, num_gpus)), None
+    return (Hardware(device="cuda", gpu_name=None, gpu_count=num_gpus, capability=(8, 0),
+                     host_mem_gib=hw.host_mem_gib, cpu_count=hw.cpu_count,
+                     flash_attn=hw.flash_attn, liger=True),
+            "no GPU here: auto values resolved for an Ampere-or-newer GPU with Liger installed")
+
+
+def _resolve(cfg, hw, model_type: str) -> tuple[dict, list[str]]:
+    """hardware.resolve's values for cfg on a GPU (see _target_hardware)."""
+    from longft.hardware import resolve
+
+    target, note = _target_hardware(hw, cfg.hardware.num_gpus)
+    notes = [note] if note else []
+    c = cfg
+    if cfg.hardware.device == "cpu":
+        notes.append("hardware.device is cpu: estimated as the same run on a GPU")
+        c = dataclasses.replace(c, hardware=dataclasses.replace(c.hardware, device="auto"))
+    choices = resolve(c, target, model_type)
+    return {k: ch.value for k, ch in choices.items()}, notes
+
+
+def _sizes(a, hw) -> tuple[float | None, float | None]:
+    gpu = a.gpu_mem if a.gpu_mem is not None else hw.gpu_mem_gib
+    host = a.host_mem if a.host_mem is not None else (hw.host_mem_gib or None)
+    return gpu, host
+
+
+def _add_run_args(ap: argparse.ArgumentParser) -> None:
+    """--params, --gpu-mem, --host-mem: the arguments `estimate` and `max-context` share."""
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--gpu-mem", type=float, help="GiB of one GPU (default: detected)")
+    ap.add_argument("--host-mem", type=float, help="GiB of host RAM per node (default: detected)")
+
+
+def _load(params: str):
+    from longft.config.params import load
+
+    return load(params)
+
+
+# ---------------------------------------------------------------- estimate
+
+
+def cmd_estimate(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="longft estimate",
+                                 description="Itemised peak VRAM / DRAM prediction for a params file.")
+    _add_run_args(ap)
+    a = ap.parse_args(argv)
+    from longft.hardware import detect
+
+    cfg = _load(a.params)
+    hw = detect()
+    arch = _architecture(cfg.model)
+    resolved, notes = _resolve(cfg, hw, arch["model_type"])
+    est = estimate(arch, setup_from_config(cfg, resolved))
+    gpu_mem, host_mem = _sizes(a, hw)
+    fit = fits(est, gpu_mem, host_mem, cfg.hardware.vram_limit_gib)
+    print(f"longft estimate: {cfg.model.name} ({a.params})")
+    for n in notes:
+        print(f"note: {n}")
+    if gpu_mem is None:
+        print("note: no GPU size to compare with; pass --gpu-mem")
+    print(format_table(est, fit))
+    return 0 if fit.ok else 1
+
+
+
+# ---------------------------------------------------------------- plan (the search: longft.estimate.placement)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="longft plan",
+                                 description="Fastest placement that fits, as a params overlay.")
+    ap.add_argument("--gpu-mem", type=float, required=True, help="GiB of one GPU")
+    ap.add_argument("--host-mem", type=float, required=True, help="GiB of host RAM")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--model", required=True, help="a name in configs/models or a config path")
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--out", help="write the overlay YAML here")
+    ap.add_argument("--params", default="params.yaml",
+                    help="base params (precision, kernels, LoRA); defaults if the file is absent")
+    ap.add_argument("--max-micro", type=int, default=64)
+    ap.add_argument("--gpu-name", help="GPU model for the peak-FLOPS lookup of the speed ranking "
+                    "(default: the detected one)")
+    a = ap.parse_args(argv)
+    import yaml
+
+    from longft.config.params import from_dict, load
+    from longft.hardware import detect
+    from longft.model.loading import shipped_architectures
+
+    # an architecture (shipped name or config.json) is a random-init run; anything else keeps the
+    # base params' model.source (a pretrained hub id or directory)
+    shipped = a.model in shipped_architectures() or Path(a.model).suffix == ".json"
+    over = {"model": {"name": a.model, **({"source": "random"} if shipped else {})},
+            "data": {"max_seq_length": a.seq}, "hardware": {"num_gpus": a.gpus},
+            "train": {"micro_batch_size": 1, "global_batch_size": a.gpus}}
+    cfg = load(a.params, over) if Path(a.params).is_file() else from_dict(over, a.params)
+    hw = detect()
+    arch = _architecture(cfg.model)
+    resolved, notes = _resolve(cfg, hw, arch["model_type"])
+    base = setup_from_config(cfg, resolved)
+    gpu_name = a.gpu_name or (hw.gpu_name if hw.device == "cuda" else None)
+    cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro, MODES,
+                   share_grads=cfg.zero.host_grad_buffer != "full")
+    print(f"longft plan: {a.model}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
+          f"host {a.host_mem:g} GiB")
+    for n in notes:
+        print(f"note: {n}")
+    ok = sorted((c for c in cands if c.fit.ok), key=lambda c: -c.tokens_per_s)
+    print(f"{len(ok)} fitting candidate(s); fastest per offload x checkpointing:")
+    seen = set()
+    for c in ok:
+        if (c.offload, c.setup.checkpointing) not in seen:
+            seen.add((c.offload, c.setup.checkpointing))
+            print(f"  offload {c.offload:9s} checkpointing {c.setup.checkpointing:11s} micro-batch "
+                  f"{c.setup.micro_batch:3d}: ~{c.tokens_per_s:,.0f} tok/s, GPU "
+                  f"{c.est.gpu_nvml / GIB:.1f} GiB, host {c.est.host_rss / GIB:.1f} GiB")
+    choice = best(cands, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem)
+    if choice is None:
+        closest = min(cands, key=lambda c: c.overshoot(a.gpu_mem, a.host_mem))
+        print(f"\nnothing fits. Closest: offload {closest.offload}, checkpointing "
+              f"{closest.setup.checkpointing}, micro-batch 1:")
+        print(format_table(closest.est, closest.fit))
+        return 1
+    print(f"\nchosen: offload {choice.offload}, checkpointing {choice.setup.checkpointing}, "
+          f"micro-batch {choice.setup.micro_batch} (~{choice.tokens_per_s:,.0f} tok/s predicted)")
+    print(format_table(choice.est, choice.fit))
+    ov = overlay(a.model, choice, a.gpus, shipped)
+    if a.out:
+        from longft.atomic import write_text
+
+        head = (f"# longft plan: {describe(choice.setup)}\n"
+                f"# predicted: VRAM {choice.est.gpu_allocated / GIB:.2f} GiB allocated, "
+                f"{choice.est.gpu_nvml / GIB:.2f} GiB NVML; host {choice.est.host_rss / GIB:.2f} GiB; "
+                f"~{choice.tokens_per_s:,.0f} tok/s\n")
+        write_text(Path(a.out), head + yaml.safe_dump(ov, sort_keys=False))
+        print(f"\nwrote {a.out}")
+    else:
+        print("\n" + yaml.safe_dump(ov, sort_keys=False))
+    return 0
+
+
+def cmd_max_context(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="longft max-context",
+                                 description="Longest context (multiple of 1024) that fits.")
+    _add_run_args(ap)
+    ap.add_argument("--max-seq", type=int, default=None,
+                    help="upper end of the search (default: the model's max_position_embeddings)")
+    ap.add_argument("--confirm", action="store_true",
+                    help="then confirm with short real runs at the candidate lengths, longest first "
+                    "(longft.run.confirm; docs/estimator.md)")
+    ap.add_argument("--iterations", type=int, default=2, help="--confirm: training steps per run")
+    ap.add_argument("--work", type=Path, help="--confirm: work folder, one seq-<L>/ per run "
+                    "(default: <tmp>/longft-max-context)")
+    ap.add_argument("--out", type=Path, help="--confirm: JSON report "
+                    "(default: <work>/max_context.json)")
+    a = ap.parse_args(argv)
+    from longft.hardware import detect
+
+    cfg = _load(a.params)
+    hw = detect()
+    arch = _architecture(cfg.model)
+    resolved, notes = _resolve(cfg, hw, arch["model_type"])
+    gpu_mem, host_mem = _sizes(a, hw)
+    if gpu_mem is None:
+        print("longft max-context: no GPU here; pass --gpu-mem", file=sys.stderr)
+        return 2
+    top = a.max_seq or arch.get("max_position_embeddings") or 1 << 20
+    base = setup_from_config(cfg, resolved)
+    if cfg.kernels.tiled_mlp == "auto" and not (cfg.lora.rank > 0 and cfg.lora.dropout > 0):
+        best_seq, tiled = _max_context_auto_tiled(arch, base, gpu_mem, host_mem,
+                                                  cfg.hardware.vram_limit_gib, top)
+        base = dataclasses.replace(base, tiled_mlp=tiled)
+        resolved = {**resolved, "tiled_mlp": tiled}
+        notes.append(f"kernels.tiled_mlp auto: {'on' if tiled else 'off'} at the longest context "
+                     f"(on from {TILED_MLP_FROM:,} tokens)")
+    else:
+        best_seq = max_context(arch, base, gpu_mem, host_mem, cfg.hardware.vram_limit_gib, top)
+    job = None
+    if a.confirm:  # bad --confirm input fails here (ConfigError, exit 2), before any run
+        from longft.run.confirm import predicted, prepare
+
+        job = prepare(a.params, cfg, hw, arch["model_type"], resolved, gpu_mem, host_mem,
+                      a.iterations, a.work, a.out)
+    print(f"longft max-context: {cfg.model.name}, micro-batch {base.micro_batch}, "
+          f"{base.world_size} rank(s), GPU {gpu_mem:g} GiB, host {host_mem} GiB, search up to {top:,}")
+    for n in notes:
+        print(f"note: {n}")
+    if best_seq == 0:
+        e = estimate(arch, dataclasses.replace(base, seq_len=SEQ_STEP))
+        print(f"even {SEQ_STEP} tokens do not fit:")
+        print(format_table(e, fits(e, gpu_mem, host_mem, cfg.hardware.vram_limit_gib)))
+        if job is None:
+            return 1
+    else:
+        e = estimate(arch, dataclasses.replace(base, seq_len=best_seq))
+        print(f"longest context that fits: {best_seq:,} tokens "
+              f"(VRAM {e.gpu_nvml / GIB:.1f} GiB NVML-level, host {e.host_rss / GIB:.1f} GiB)")
+        if best_seq + SEQ_STEP <= top:
+            nxt = estimate(arch, dataclasses.replace(base, seq_len=best_seq + SEQ_STEP))
+            print(f"  {best_seq + SEQ_STEP:,} would need VRAM {nxt.gpu_nvml / GIB:.1f} GiB, "
+                  f"host {nxt.host_rss / GIB:.1f} GiB")
+        else:
+            print("  that is the upper end of the search: memory is not the limit (--max-seq to go on)")
+    cands = candidates_for_confirmation(best_seq, limit=top)
+    print(("confirming" if job else "confirm on the GPU (--confirm)") + " with short runs at "
+          "data.max_seq_length = " + ", ".join(f"{s:,}" for s in cands))
+    if best_seq:
+        print(format_table(e, fits(e, gpu_mem, host_mem, cfg.hardware.vram_limit_gib)))
+    if job is None:
+        return 0
+    answer = {"model": cfg.model.name, "params": a.params, "max_seq": best_seq, "search_up_to": top,
+              "gpu_mem_gib": gpu_mem, "host_mem_gib": host_mem,
+              "setup": describe(dataclasses.replace(base, seq_len=best_seq or SEQ_STEP))}
+    return job.run(answer, cands,
+                   lambda s: predicted(estimate(arch, dataclasses.replace(base, seq_len=s))))
+
+
+COMMANDS = {"estimate": cmd_estimate, "plan": cmd_plan, "max-context": cmd_max_context}
+
+
+def main(command: str, argv: list[str]) -> int:
+    """Run one of `estimate`, `plan`, `max-context` with its arguments; returns the exit code
+    (0 fits / found, 1 does not fit / nothing found, 2 bad params or arguments)."""
+    from longft.config.params import ConfigError
+    from longft.model.loading import ModelError
+
+    if command not in COMMANDS:
+        print(f"longft: unknown command {command!r} (known: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[command](argv)
+    except (ConfigError, ModelError) as e:
+        print(f"longft {command}: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:      # argparse: --help (0) or a usage error (2)
+        return int(e.code or 0)

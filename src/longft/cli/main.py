@@ -1,0 +1,61 @@
+"""The `longft` command: results tables, sweeps and memory estimates.
+
+    longft report [--from-json DIR | --exp-json FILE] [-A] [--names] [--out FILE] [--plots DIR]
+    longft sweep GRID.yaml [--only GLOB ...] [--dry-run] [--run | --overlays DIR]
+    longft estimate | plan | max-context ...   (longft.cli.estimate; `longft plan --help`)
+
+Installed as a console script by `pip install -e .`; `python -m longft.cli ...` works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+ESTIMATE_COMMANDS = {
+    "estimate": "itemised peak VRAM / DRAM prediction for a params file",
+    "plan": "the fastest placement that fits, as a params overlay",
+    "max-context": "the longest sequence that fits",
+}
+"""Handed, with the rest of the command line, to longft.cli.estimate.main(command, argv)."""
+
+
+def _estimate(command: str, argv: list[str]) -> int:
+    try:
+        from longft.cli.estimate import main as estimate_main
+    except ImportError as e:
+        print(f"longft {command}: not available in this installation "
+              f"(longft.cli.estimate cannot be imported: {e})", file=sys.stderr)
+        return 2
+    return int(estimate_main(command, argv) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from longft.metrics import report
+    from longft.run import sweep
+
+    p = argparse.ArgumentParser(prog="longft", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module, summary in (
+            ("report", report, "results table and plots over DVC experiments or bench results"),
+            ("sweep", sweep, "queue a grid of runs as DVC experiments")):
+        sp = sub.add_parser(name, help=summary, description=module.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sp)
+        sp.set_defaults(handler=module.run)
+    for name, summary in ESTIMATE_COMMANDS.items():  # parsed by longft.cli.estimate itself
+        sub.add_parser(name, help=summary, add_help=False)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ESTIMATE_COMMANDS:
+        return _estimate(argv[0], argv[1:])
+    args = _parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

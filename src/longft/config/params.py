@@ -1,0 +1,367 @@
+"""params.yaml -> frozen, typed configuration.
+
+Every knob of a run lives in params.yaml, one section per concern. `load()` reads it, checks every
+key, type, range and combination, and raises one `ConfigError` that lists *all* problems at once,
+before any model, data or GPU work starts. Code reads the config only through these dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+from longft.config.typed_yaml import build_dataclass
+
+
+class ConfigError(ValueError):
+    """One or more problems in params.yaml; the message lists each with its key and a fix."""
+
+    def __init__(self, problems: list[str], source: str = "params.yaml"):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{len(problems)} problem(s) in {source}:\n{lines}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    source: Literal["random", "pretrained"] = "random"
+    """random: build an untrained model from an architecture config (memory/speed studies only);
+    pretrained: load weights with from_pretrained."""
+    name: str = "tiny-llama"
+    """random: a name in configs/models (without .json) or a path to a config.json;
+    pretrained: a Hugging Face hub id or a local directory written by save_pretrained."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory or hub id; null = the model's own (pretrained) or configs/tokenizers/byte."""
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["synthetic", "random", "jsonl", "parquet", "hf"] = "synthetic"
+    """synthetic: generated retrieval-with-citation task; random: random token ids (benchmarks);
+    jsonl/parquet: a local file; hf: a `datasets` name or a directory written by save_to_disk."""
+    path: Optional[str] = None
+    """File for jsonl/parquet, dataset name or path for hf; unused for synthetic/random."""
+    split: str = "train"
+    format: Literal["auto", "messages", "prompt_completion", "text"] = "auto"
+    """Record layout; auto picks from the keys of the first record."""
+    num_samples: int = 64
+    """Samples to generate (synthetic/random) or the most to read (files; 0 = all)."""
+    max_seq_length: int = 4096
+    pack: bool = True
+    """Pack several samples into one sequence; position ids restart per document so that packed
+    documents do not attend to each other."""
+    truncate: bool = True
+    """Cut samples longer than max_seq_length; false makes such a sample an error (or a skip)."""
+    on_bad_record: Literal["error", "skip"] = "error"
+    """A malformed record: stop with its file and line, or skip it and count it in stats.json."""
+    train_on_prompt: bool = False
+    """Also compute the loss on non-assistant tokens."""
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    liger: Literal["auto", "on", "off"] = "auto"
+    """Liger fused kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); auto = on with CUDA."""
+    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
+    """auto = flash_attention_2 when installed on compute capability >= 8.0, else sdpa."""
+    sdpa_backend: Literal["auto", "default", "flash", "cudnn", "efficient", "math"] = "auto"
+    """With attention sdpa: the kernel SDPA tries first (fallbacks: efficient, math). auto = cudnn on
+    compute capability >= 9.0, flash on 8.x, efficient on 7.x, PyTorch's default on CPU."""
+    tiled_mlp: Literal["auto", "on", "off"] = "auto"
+    """Run each MLP over 8K-token tiles (DeepSpeed's TiledMLP), so its intermediates never exist for
+    the whole sequence: ~10 GiB less VRAM for an 8B model at 128K, ~5% more compute. auto = on from
+    data.max_seq_length 65536."""
+    tiled_mlp_tokens: int = 8192
+    """Tokens per MLP tile with tiled_mlp (smaller: less memory, less efficient matmuls)."""
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    mode: Literal["auto", "none", "gpu", "cpu_offload"] = "auto"
+    """Activation checkpointing per decoder layer. none: keep all activations; gpu: recompute, keep
+    layer inputs on the GPU; cpu_offload: layer inputs in pinned host memory. auto = gpu."""
+    gpu_layers: int = 0
+    """cpu_offload only: the last N decoder layers keep their checkpoints on the GPU (each costs
+    micro x seq x hidden x 2 B of VRAM and saves as much host RAM and two copies per step)."""
+    keep_attention: int = 0
+    """gpu / cpu_offload: the last N decoder layers keep their attention output from the forward,
+    so the backward's recompute skips the attention forward (a quarter of the attention time; each
+    layer costs micro x seq x heads x head_dim x 2 B of VRAM until its backward)."""
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto = cuda when a GPU is visible, else cpu (DeepSpeed's CPU accelerator, gloo)."""
+    num_gpus: int = 1
+    """Processes (GPUs) per node; on CPU the number of worker processes."""
+    num_nodes: int = 1
+    hostfile: Optional[str] = None
+    """DeepSpeed hostfile for multi-node runs (`host slots=N` lines)."""
+    launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
+    master_port: int = 29511
+    vram_limit_gib: Optional[float] = None
+    """Cap this process's GPU memory to emulate a smaller card (torch's per-process fraction)."""
+    host_mem_check: bool = True
+    """Before any rank starts, the train stage compares the estimator's predicted peak host memory
+    (artifacts/plan.json, process-tree RSS of this node) with the RAM available now and refuses to
+    start when it does not fit. false skips the check (e.g. when the estimate is known to be too
+    high for this machine)."""
+    expandable_segments: bool = True
+    """Run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (unless that variable is set):
+    freed blocks are remapped instead of fragmenting, so reserved VRAM stays close to allocated."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int = 1
+    """Sequences per GPU per forward/backward."""
+    global_batch_size: int = 2
+    """Sequences per optimizer step over all GPUs; accumulation = global / (micro x world)."""
+    iterations: int = 12
+    """Optimizer steps to run."""
+    warmup_iterations: int = 2
+    """First steps left out of timing (compilation, allocator warm-up)."""
+    max_grad_norm: float = 1.0
+    seed: int = 1234
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1.0e-4
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1.0e-8
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 1
+    """LR warm-up steps (linear from 0)."""
+    min_lr_ratio: float = 0.1
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: Literal[2, 3] = 3
+    offload_optimizer: Literal["none", "cpu"] = "cpu"
+    """Optimizer states and the Adam step on the host (DeepSpeedCPUAdam)."""
+    offload_param: Literal["none", "cpu"] = "none"
+    """Parameters on the host, fetched per layer (ZeRO-3 only)."""
+    overlap_comm: bool = True
+    host_grad_buffer: Literal["auto", "full", "shared"] = "auto"
+    """With offload_optimizer (ZeRO-3), DeepSpeed keeps a host copy of every gradient partition in
+    the training dtype (2 B x parameters: 15 GiB for 8B) to accumulate over micro-steps. Without
+    accumulation it is only a staging area: `shared` points every partition at one buffer of the
+    largest partition's size (grad_buffer.py). auto = shared where that is exact (ZeRO-3,
+    offload_optimizer cpu, one micro-step per step, not fp16), else full (DeepSpeed's own)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0
+    """0 = full-parameter finetuning; > 0 = LoRA adapters of this rank (peft)."""
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    save_checkpoint: bool = True
+    """Write a DeepSpeed checkpoint at the end of training (checkpoints/)."""
+    export: bool = False
+    """Write the finetuned model as a Hugging Face checkpoint (export/, safetensors) at the end."""
+    export_lora: Literal["adapter", "merged"] = "adapter"
+    """With LoRA (lora.rank > 0): adapter = export/ holds the peft adapter (load it on the base
+    model with PeftModel.from_pretrained); merged = export/ holds the full model with the LoRA
+    deltas merged into the base weights (W + alpha/r * B @ A, in the weights' dtype), which
+    AutoModelForCausalLM.from_pretrained loads without peft, and export/adapter/ the adapter."""
+    checkpoint_every: int = 0
+    """Also write a resumable checkpoint every N optimizer steps (0 = none)."""
+    keep_last: int = 2
+    """How many periodic checkpoints to keep."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint of the same configuration, if there is one."""
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """auto = bf16 on compute capability >= 8.0 and on CPU, fp16 on 7.x (V100)."""
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.hardware.num_gpus * self.hardware.num_nodes
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.world_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.data.max_seq_length
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _check(cfg: Config) -> list[str]:
+    """Ranges and combinations. Each message names the key and what to do."""
+    p: list[str] = []
+    d, t, o, h, z = cfg.data, cfg.train, cfg.optim, cfg.hardware, cfg.zero
+
+    def positive(key, v):
+        if v <= 0:
+            p.append(f"{key}: must be > 0, got {v}")
+
+    positive("data.max_seq_length", d.max_seq_length)
+    if d.num_samples < 0:
+        p.append(f"data.num_samples: must be >= 0, got {d.num_samples}")
+    if d.source in ("synthetic", "random") and d.num_samples == 0:
+        p.append(f"data.num_samples: must be > 0 for source {d.source!r}")
+    if d.source in ("jsonl", "parquet", "hf") and not d.path:
+        p.append(f"data.path: required for source {d.source!r} (a file or dataset name)")
+    for k in ("micro_batch_size", "global_batch_size", "iterations", "log_every"):
+        positive(f"train.{k}", getattr(t, k))
+    if t.warmup_iterations < 0:
+        p.append(f"train.warmup_iterations: must be >= 0, got {t.warmup_iterations}")
+    elif t.iterations > 0 and t.warmup_iterations >= t.iterations:
+        p.append(f"train.warmup_iterations ({t.warmup_iterations}) must be < train.iterations "
+                 f"({t.iterations}), or no iteration is timed")
+    if t.max_grad_norm < 0:
+        p.append(f"train.max_grad_norm: must be >= 0 (0 disables clipping), got {t.max_grad_norm}")
+    positive("hardware.num_gpus", h.num_gpus)
+    positive("hardware.num_nodes", h.num_nodes)
+    if h.num_nodes > 1 and not h.hostfile:
+        p.append("hardware.hostfile: required when hardware.num_nodes > 1 (lines `host slots=N`)")
+    if h.vram_limit_gib is not None and h.vram_limit_gib <= 0:
+        p.append(f"hardware.vram_limit_gib: must be > 0 or null, got {h.vram_limit_gib}")
+    if not 1 <= h.master_port <= 65535:
+        p.append(f"hardware.master_port: must be a TCP port, got {h.master_port}")
+    if t.micro_batch_size > 0 and t.global_batch_size > 0 and h.num_gpus > 0 and h.num_nodes > 0:
+        per_step = t.micro_batch_size * cfg.world_size
+        if t.global_batch_size % per_step:
+            p.append(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                     f"train.micro_batch_size x GPUs ({t.micro_batch_size} x {cfg.world_size} = "
+                     f"{per_step}); e.g. set it to {max(per_step, t.global_batch_size // per_step * per_step)}")
+    positive("optim.lr", o.lr)
+    if o.weight_decay < 0:
+        p.append(f"optim.weight_decay: must be >= 0, got {o.weight_decay}")
+    for i, b in enumerate(o.betas):
+        if b is not None and not 0 <= b < 1:
+            p.append(f"optim.betas[{i}]: must be in [0, 1), got {b}")
+    positive("optim.eps", o.eps)
+    if o.warmup_steps < 1:
+        p.append(f"optim.warmup_steps: must be >= 1, got {o.warmup_steps} (DeepSpeed's LR "
+                 "schedules need a warm-up; their first step runs at lr 0, so 1 is the shortest)")
+    if not 0 <= o.min_lr_ratio <= 1:
+        p.append(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
+    if z.offload_param == "cpu" and z.stage != 3:
+        p.append("zero.offload_param: 'cpu' needs zero.stage 3 (ZeRO-2 keeps parameters on the GPU);"
+                 " set zero.stage: 3 or zero.offload_param: none")
+    if cfg.kernels.tiled_mlp_tokens < 1:
+        p.append(f"kernels.tiled_mlp_tokens: must be >= 1, got {cfg.kernels.tiled_mlp_tokens}")
+    g = cfg.checkpointing.gpu_layers
+    if g < 0:
+        p.append(f"checkpointing.gpu_layers: must be >= 0, got {g}")
+    elif g > 0 and cfg.checkpointing.mode != "cpu_offload":
+        p.append(f"checkpointing.gpu_layers: {g} only applies to checkpointing.mode cpu_offload "
+                 f"(mode is {cfg.checkpointing.mode}); set it to 0 or use cpu_offload")
+    k = cfg.checkpointing.keep_attention
+    if k < 0:
+        p.append(f"checkpointing.keep_attention: must be >= 0, got {k}")
+    elif k > 0 and cfg.checkpointing.mode == "none":
+        p.append(f"checkpointing.keep_attention: {k} needs checkpointing (mode auto, gpu or "
+                 "cpu_offload): with mode none nothing is recomputed; set it to 0")
+    if cfg.output.checkpoint_every < 0:
+        p.append(f"output.checkpoint_every: must be >= 0 (0 = off), got {cfg.output.checkpoint_every}")
+    if cfg.output.keep_last < 1:
+        p.append(f"output.keep_last: must be >= 1, got {cfg.output.keep_last}")
+    if cfg.lora.rank < 0:
+        p.append(f"lora.rank: must be >= 0 (0 = full finetuning), got {cfg.lora.rank}")
+    if cfg.lora.rank > 0:
+        positive("lora.alpha", cfg.lora.alpha)
+        if not cfg.lora.target_modules:
+            p.append("lora.target_modules: must name at least one module when lora.rank > 0")
+    if not 0 <= cfg.lora.dropout < 1:
+        p.append(f"lora.dropout: must be in [0, 1), got {cfg.lora.dropout}")
+    if h.device == "cpu":
+        if cfg.precision == "fp16":
+            p.append("precision: fp16 is not supported on CPU; use bf16 or fp32 (or auto)")
+        if cfg.checkpointing.mode == "cpu_offload":
+            p.append("checkpointing.mode: cpu_offload moves GPU activations to the host and needs "
+                     "hardware.device cuda; on CPU use gpu (recompute) or none")
+        if cfg.kernels.attention == "flash_attention_2":
+            p.append("kernels.attention: flash_attention_2 needs a CUDA GPU; use sdpa on CPU")
+        if cfg.kernels.liger == "on":
+            p.append("kernels.liger: on needs a CUDA GPU (Triton kernels); use auto or off on CPU")
+        if h.vram_limit_gib is not None:
+            p.append("hardware.vram_limit_gib: only meaningful with hardware.device cuda; set it to null")
+    return p
+
+
+def from_dict(raw: dict, source: str = "params.yaml") -> Config:
+    """Build and validate a Config from a params mapping; raise ConfigError listing every problem."""
+    problems: list[str] = []
+    if not isinstance(raw, dict):
+        raise ConfigError([f"top level: expected a mapping of sections, got {type(raw).__name__}"],
+                          source)
+    cfg = build_dataclass(Config, raw, "", problems)
+    # Fields with a bad type fell back to their (valid) defaults, so range and combination
+    # checks still run and everything wrong is reported in one go.
+    problems += _check(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def load(path: str | Path = "params.yaml", overrides: Optional[dict] = None) -> Config:
+    """Read params.yaml (optionally deep-merged with `overrides`) into a validated Config."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"{path}: file not found; run from the repository root or pass its path"],
+                          str(path))
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"not valid YAML: {e}"], str(path)) from None
+    if overrides:
+        raw = merge(raw, overrides)
+    return from_dict(raw, str(path))
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Deep-merge two params mappings (over wins); neither input is modified."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def to_dict(cfg: Config) -> dict:
+    """Plain dict (lists instead of tuples) of a Config, for plan.json and logs."""
+    def conv(x):
+        if isinstance(x, tuple):
+            return [conv(v) for v in x]
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+    return conv(dataclasses.asdict(cfg))

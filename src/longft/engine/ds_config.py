@@ -1,0 +1,76 @@
+"""The DeepSpeed config dict, built in code from params (never hand-edited).
+
+`build()` is a pure function of the validated Config and the resolved precision, so it is tested on
+CPU against hand-written expectations and written to artifacts/ds_config.json by the patch stage.
+"""
+
+from __future__ import annotations
+
+from longft.config.params import Config
+
+
+def scheduler(cfg: Config) -> dict:
+    """DeepSpeed LR schedule for optim.scheduler over train.iterations optimizer steps."""
+    o, steps = cfg.optim, cfg.train.iterations
+    warm = min(o.warmup_steps, steps)
+    if o.scheduler == "cosine":
+        return {"type": "WarmupCosineLR",
+                "params": {"total_num_steps": steps, "warmup_num_steps": warm,
+                           "warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr_ratio,
+                           "warmup_type": "linear"}}
+    if o.scheduler == "linear":
+        return {"type": "WarmupDecayLR",
+                "params": {"total_num_steps": max(steps, warm + 1), "warmup_num_steps": warm,
+                           "warmup_min_lr": 0.0, "warmup_max_lr": o.lr, "warmup_type": "linear"}}
+    return {"type": "WarmupLR",
+            "params": {"warmup_num_steps": warm, "warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
+                       "warmup_type": "linear"}}
+
+
+def zero_section(cfg: Config, hidden_size: int) -> dict:
+    z = cfg.zero
+    sec: dict = {"stage": z.stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": True,
+                 # Bucket sizes scaled to the model width, as DeepSpeed's "auto" does in HF Trainer.
+                 "reduce_bucket_size": hidden_size * hidden_size}
+    if z.offload_optimizer == "cpu":
+        sec["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if z.stage == 3:
+        sec.update({
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_max_live_parameters": int(1e9),
+            "stage3_max_reuse_distance": int(1e9),
+            "stage3_gather_16bit_weights_on_model_save": False,
+            # DeepSpeed's default (true) crashes in backward through checkpointed layers on
+            # torch 2.11 + deepspeed 0.19.8 ("apply returned NULL"); plain nn.Linear works.
+            "memory_efficient_linear": False,
+        })
+        if z.offload_param == "cpu":
+            sec["offload_param"] = {"device": "cpu", "pin_memory": True}
+    else:
+        sec["allgather_bucket_size"] = hidden_size * hidden_size
+    return sec
+
+
+def build(cfg: Config, precision: str, hidden_size: int) -> dict:
+    """The full DeepSpeed config for this run."""
+    t, o = cfg.train, cfg.optim
+    ds = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_clipping": t.max_grad_norm,
+        "steps_per_print": 10**9,  # longft logs itself, on rank 0
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                 "weight_decay": o.weight_decay}},
+        "scheduler": scheduler(cfg),
+        "zero_optimization": zero_section(cfg, hidden_size),
+        "bf16": {"enabled": precision == "bf16"},
+        # fp16: dynamic loss scaling (loss_scale 0); overflowing steps are skipped and counted.
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+    }
+    return ds

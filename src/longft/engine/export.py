@@ -1,0 +1,105 @@
+"""Hand over the finetuned model as a Hugging Face checkpoint (`output.export: true`).
+
+At the end of training, rank 0 writes export/: safetensors weights that
+`AutoModelForCausalLM.from_pretrained` loads, the config and the tokenizer. Under ZeRO-3 the
+weights are gathered layer by layer into host memory on rank 0 (DeepSpeed's consolidated 16-bit
+state dict), so no GPU ever holds the whole model. With LoRA, `output.export_lora` decides:
+- adapter (default): the peft adapter (`PeftModel.from_pretrained` on the base model);
+- merged: a full model with the LoRA deltas merged into the base weights, W + scaling * B @ A
+  (peft's merge_and_unload, done on the consolidated state dict on rank 0, in fp32, then cast back
+  to the weights' dtype), which `AutoModelForCausalLM.from_pretrained` loads without peft; the
+  adapter it was merged from goes to export/adapter/.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from longft.config.params import Config
+
+PEFT_PREFIX = "base_model.model."
+_LORA_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+
+
+def lora_layers(model) -> dict[str, tuple[str, float, bool]]:
+    """The peft LoRA layers of `model` (a PeftModel): module name -> (adapter name, scaling,
+    fan_in_fan_out). The names are the state-dict prefixes of the layers."""
+    out = {}
+    for name, m in model.named_modules():
+        if not (hasattr(m, "lora_A") and hasattr(m, "base_layer") and hasattr(m, "scaling")):
+            continue
+        for adapter in m.lora_A.keys():
+            if getattr(m, "use_dora", {}).get(adapter):
+                raise ValueError(f"{name}: DoRA adapters cannot be merged by longft; use "
+                                 "output.export_lora: adapter")
+            out[name] = (adapter, float(m.scaling[adapter]), bool(getattr(m, "fan_in_fan_out", False)))
+    return out
+
+
+def merge_lora(sd: dict, layers: dict[str, tuple[str, float, bool]]) -> dict:
+    """A peft model's full state dict -> the base model's, LoRA merged: W' = W + scaling * B @ A
+    (transposed for fan_in_fan_out layers), bias' = bias + scaling * lora_B.bias. The sum is done in
+    fp32 and cast back to W's dtype. Keys lose peft's `base_model.model.` and `.base_layer`."""
+    merged = {}
+    for mod, (adapter, scale, fan_in_fan_out) in layers.items():
+        a, b = sd[f"{mod}.lora_A.{adapter}.weight"], sd[f"{mod}.lora_B.{adapter}.weight"]
+        w = sd[f"{mod}.base_layer.weight"]
+        delta = (b.float() @ a.float()) * scale
+        merged[f"{mod}.base_layer.weight"] = (w.float() + (delta.T if fan_in_fan_out else delta)
+                                              ).to(w.dtype)
+        lora_bias = sd.get(f"{mod}.lora_B.{adapter}.bias")
+        if lora_bias is not None:
+            bias = sd.get(f"{mod}.base_layer.bias")
+            if bias is None:
+                raise ValueError(f"{mod}: a LoRA bias on a layer without bias cannot be merged")
+            merged[f"{mod}.base_layer.bias"] = (bias.float() + scale * lora_bias.float()).to(bias.dtype)
+    out = {}
+    for k, v in sd.items():
+        if _LORA_KEY.search(k) or ".original_module." in k:
+            continue
+        name = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k
+        name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name.replace(".base_layer.", "."))
+        out[name] = merged.get(k, v)
+    return out
+
+
+def state_dict(engine, zero_stage: int) -> dict | None:
+    """The full 16-bit state dict on rank 0 (None on other ranks). Collective under ZeRO-3."""
+    import torch.distributed as dist
+
+    if zero_stage == 3:
+        sd = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        sd = engine.module.state_dict()
+    return sd if dist.get_rank() == 0 else None
+
+
+def export(engine, cfg: Config, out_dir: Path, step: int) -> None:
+    """Write the model (or LoRA adapter), its config and tokenizer to out_dir; all ranks call it."""
+    from longft.model.loading import load_tokenizer
+
+    sd = state_dict(engine, cfg.zero.stage)
+    if sd is None:
+        return
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    sd = {k: v.detach().cpu().contiguous() for k, v in sd.items()}
+    if cfg.lora.rank and cfg.output.export_lora == "merged":
+        engine.module.save_pretrained(tmp / "adapter", state_dict=sd, safe_serialization=True)
+        merged = merge_lora(sd, lora_layers(engine.module))
+        engine.module.get_base_model().save_pretrained(tmp, state_dict=merged,
+                                                       safe_serialization=True)
+        kind = "lora_merged"
+    else:
+        engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        kind = "lora_adapter" if cfg.lora.rank else "full"
+    load_tokenizer(cfg.model).save_pretrained(tmp)
+    (tmp / "longft_export.json").write_text(json.dumps(
+        {"model": cfg.model.name, "source": cfg.model.source, "steps": step,
+         "lora_rank": cfg.lora.rank, "kind": kind}, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)  # a reader never sees a half-written export

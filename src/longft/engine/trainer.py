@@ -1,0 +1,349 @@
+"""The training loop on one rank: build the model (ZeRO-3 partitioned as it is created), patch it,
+hand it to DeepSpeed, run `train.iterations` optimizer steps and log every one to runs/train.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import platform
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from longft.model import attention, patches as patch
+from longft.engine import checkpoint, grad_buffer, stop
+from longft.config.params import Config
+from longft.data.store import PreparedDataset
+from longft.engine.export import export
+from longft.model.loading import build_model
+from longft.measure.monitor import gpu_inventory
+from longft.measure.progress import LayerProgress
+from longft.measure.runlog import RunLog
+from longft.model.tiled_mlp import decoder_layers
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says at which step and what to change."""
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _pkg(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def environment(cfg: Config, plan: dict) -> dict:
+    import torch
+
+    r = plan["resolved"]
+    cuda = torch.cuda.is_available()
+    gpus = gpu_inventory() if cuda else []
+    driver = gpus[0]["driver"] if gpus else None
+    return {
+        "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "driver": driver, "cuda": torch.version.cuda if cuda else None,
+        "torch": torch.__version__, "deepspeed": _pkg("deepspeed"),
+        "transformers": _pkg("transformers"), "liger_kernel": _pkg("liger-kernel"),
+        "peft": _pkg("peft"), "python": platform.python_version(),
+        "precision": r["precision"]["value"], "attention": r["attention"]["value"],
+        "checkpointing": r["checkpointing"]["value"], "liger": r["liger"]["value"],
+        "tiled_mlp": r.get("tiled_mlp", {}).get("value", False),  # absent in older plans
+        "host_grad_buffer": r.get("host_grad_buffer", {}).get("value", "full"),
+        "gpu_layers": cfg.checkpointing.gpu_layers,
+        "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
+        "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.data.max_seq_length,
+        "model_name": cfg.model.name, "model_source": cfg.model.source,
+        "n_params": plan["model"]["n_params"], "lora_rank": cfg.lora.rank,
+    }
+
+
+def real_tokens(input_ids, labels, pad_id: int) -> int:
+    """Positions that are not tail padding (pad id with no label, at the end of each row)."""
+    import torch
+
+    pad = (input_ids == pad_id) & (labels == -100)
+    tail = torch.cumprod(pad.flip(-1).int(), dim=-1).sum()
+    return int(input_ids.numel() - tail)
+
+
+class SkipFirst:
+    """A sampler that drops the first `skip` indices of the next epoch it yields, once: on resume
+    the micro-batches the checkpointed run already trained on are skipped without being loaded."""
+
+    def __init__(self, base):
+        self.base, self.skip = base, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.base), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
+def _batches(loader, sampler: SkipFirst, start: int = 0):
+    """Micro-batches, epoch after epoch, from micro-batch `start` on (only the last batch of an
+    epoch can be short, so the first `start % per_epoch` of its epoch are whole batches)."""
+    epoch, within = divmod(start, len(loader))
+    sampler.skip = within * loader.batch_size
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _build(cfg: Config, plan: dict, ds: dict):
+    import torch
+
+    r = plan["resolved"]
+    dtype = getattr(torch, DTYPES[r["precision"]["value"]])
+    keep = None
+    if cfg.zero.stage == 3:
+        # While this object lives, from_config/from_pretrained create parameters inside
+        # deepspeed.zero.Init: each rank only ever holds its shard.
+        from transformers.integrations import HfDeepSpeedConfig
+        keep = HfDeepSpeedConfig(ds)
+    model = build_model(cfg.model, r["attention"]["value"], dtype)
+    record = patch.apply(model, r["liger"]["value"], r["checkpointing"]["value"],
+                         r["sdpa_backend"]["value"], r.get("tiled_mlp", {}).get("value", False),
+                         cfg.kernels.tiled_mlp_tokens, cfg.checkpointing.keep_attention)
+    if record["replaced_modules"] != plan["patches"]["replaced_modules"]:
+        raise TrainingError(f"patched modules differ from the plan: {record['replaced_modules']} vs "
+                            f"{plan['patches']['replaced_modules']}; re-run `dvc repro patch`")
+    if r["liger"]["value"] and cfg.zero.stage == 3:
+        patch.zero3_gather_lm_head(model)
+    offloader = None
+    if r["checkpointing"]["value"] == "cpu_offload":
+        offloader = patch.offload_checkpoints(model, cfg.checkpointing.gpu_layers)
+    if cfg.lora.rank > 0:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(
+            r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+            target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
+    return model, keep, offloader
+
+
+def _step(engine, batches, accum: int, pad_id: int, now, offloader) -> dict:
+    """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer."""
+    fwd = bwd = 0.0
+    losses, tokens, offloaded = [], 0, 0
+    skipped_before = engine.skipped_steps
+    t0 = now()
+    for micro in range(accum):
+        cpu_batch = next(batches)
+        tokens += real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
+        b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
+        a = now()
+        hooks = offloader.new_step() if offloader else None
+        loss = engine(input_ids=b["input_ids"], labels=b["labels"],
+                      position_ids=b["position_ids"]).loss
+        offloaded = max(offloaded, hooks.offloaded_bytes if hooks else 0)
+        c = now()
+        engine.backward(loss)
+        if micro < accum - 1:
+            engine.step()  # DeepSpeed only counts the micro-step here
+        d = now()
+        fwd, bwd = fwd + c - a, bwd + d - c
+        losses.append(loss.detach().float().item())
+    e = now()
+    engine.step()
+    f = now()
+    return dict(loss=sum(losses) / len(losses), lr=engine.get_lr()[0], tokens=tokens,
+                time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
+                skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded)
+
+
+def _first_step_warnings(rec: dict, offloader, patches: dict) -> None:
+    """A memory technique that was asked for but did nothing in the first step."""
+    from longft.model.keep_attention import KeptKernels
+
+    if offloader is not None and not rec["offloaded_bytes"]:
+        print("longft: warning: checkpointing.mode cpu_offload moved nothing to the host in the "
+              "first step (layer inputs under 1 MiB, or gradient checkpointing was re-enabled "
+              "after the patch)", flush=True)
+    if patches.get("attention_kept_layers") and not KeptKernels.replayed_total:
+        print("longft: warning: checkpointing.keep_attention kept no attention output in the first "
+              "step (the attention ran on a kernel it cannot keep, e.g. SDPA's math fallback); it "
+              "costs nothing but saves nothing either", flush=True)
+
+
+def _save(engine, cfg: Config, ckpt_dir: Path, step: int, fp: str) -> None:
+    """checkpoints/step-<step>, with the RNG state the resumed run restores."""
+    checkpoint.save(engine, ckpt_dir, step, fp, cfg.output.keep_last,
+                    {"rng": checkpoint.rng_state(), "step": step})
+
+
+def _stop(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved: bool,
+          signum: int, log: RunLog, rank: int):
+    """Every rank, after `step`, on a SIGINT/SIGTERM to any rank: checkpoint (unless this step's
+    periodic one was just written), "end" record "interrupted", a message on rank 0, exit 128+sig."""
+    import torch.distributed as dist
+
+    where = None
+    if ckpt_dir is not None:
+        if not saved:
+            _save(engine, cfg, ckpt_dir, step, fp)
+        where = ckpt_dir / f"step-{step}"
+    log.write("end", status="interrupted", steps=step, signal=stop.name(signum),
+              checkpoint=str(where) if where else None)
+    log.close()
+    if rank == 0:
+        then = ("run `dvc repro` (or the same command) again to resume" if where and cfg.output.resume
+                else "output.resume is false: the next run starts over" if where
+                else "checkpoints are off (output.checkpoint_every, output.save_checkpoint): the "
+                     "next run starts over")
+        print(f"longft: stopped by {stop.name(signum)} after step {step}; checkpoint at "
+              f"{where or '-'}; {then}", flush=True)
+    dist.barrier()  # every rank has written everything before any exits (launchers kill the rest)
+    raise stop.Stopped(signum, step)
+
+
+def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
+          ckpt_dir: Path | None, export_dir: Path | None = None,
+          stopper: stop.StopRequest | None = None) -> None:
+    """`stopper` (worker.py): SIGINT/SIGTERM stop the run after the current step, see stop.py."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.data import DataLoader, DistributedSampler
+    from tqdm import tqdm
+
+    device = plan["resolved"]["device"]["value"]
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != cfg.world_size:
+        raise TrainingError(f"launched with {world} processes but params ask for "
+                            f"{cfg.world_size} (hardware.num_gpus x num_nodes)")
+    if device == "cuda" and cfg.hardware.vram_limit_gib:
+        total = torch.cuda.get_device_properties(local_rank).total_memory
+        torch.cuda.set_per_process_memory_fraction(cfg.hardware.vram_limit_gib * 2**30 / total, local_rank)
+    deepspeed.runtime.utils.set_random_seed(cfg.train.seed)
+
+    data = PreparedDataset(data_dir)
+    need = cfg.train.micro_batch_size * world
+    if len(data) < need:
+        raise TrainingError(f"{len(data)} prepared rows but one micro-step needs {need} "
+                            f"(micro_batch_size x GPUs); raise data.num_samples")
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=cfg.train.seed, drop_last=True)
+    sampler = SkipFirst(sampler)
+    loader = DataLoader(data, batch_size=cfg.train.micro_batch_size, sampler=sampler,
+                        pin_memory=device == "cuda", num_workers=0)
+    pad_id = int(data.meta["pad_token_id"]) if data.meta.get("pad_token_id") is not None else -1
+
+    model, _keep, offloader = _build(cfg, plan, ds)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
+    cuda = device == "cuda"
+
+    fp = checkpoint.fingerprint(cfg)
+    start = 0
+    if ckpt_dir is not None and cfg.output.resume:
+        start, client = checkpoint.resume(engine, ckpt_dir, fp, lambda m: rank == 0 and print(m))
+    # the data position follows the step, without loading the skipped batches
+    batches = _batches(loader, sampler, start * cfg.grad_accum_steps)
+    if start:
+        if (start * cfg.grad_accum_steps) % len(loader):
+            # mid-epoch: the run that wrote the checkpoint made this epoch's DataLoader iterator
+            # (which draws from the RNG) before saving its RNG state; so do we
+            batches = itertools.chain([next(batches)], batches)
+        checkpoint.set_rng_state(client.get("rng", {}))
+        if rank == 0:
+            print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
+    if plan["resolved"].get("host_grad_buffer", {}).get("value") == "shared":  # absent: older plans
+        try:
+            freed = grad_buffer.share(engine.optimizer)
+        except grad_buffer.GradBufferError as e:
+            raise TrainingError(str(e)) from None
+        if rank == 0:
+            print(f"longft: host gradient buffer shared: {freed / 2**30:.2f} GiB of host RAM per rank "
+                  "given back (zero.host_grad_buffer)", flush=True)
+    if cuda:
+        # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
+        # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
+        # the OS nor reuses them (sizes differ). Give them back: GiBs of host RAM with offload_param.
+        # (After resume, whose loading buffers would stay cached too.)
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
+    log = RunLog(run_dir, rank, resume_step=start)
+    if rank == 0 and not start:
+        log.write("env", **environment(cfg, plan))
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    seq = cfg.data.max_seq_length
+    progress = LayerProgress(decoder_layers(model), enabled=rank == 0)
+    last_s = None
+    bar = tqdm(range(start + 1, cfg.train.iterations + 1), desc="train", unit="step",
+               initial=start, total=cfg.train.iterations, disable=rank != 0 or None)
+    step = start
+    try:
+        # Forward and backward (with its recompute) both run under the pinned SDPA kernel order.
+        with attention.context(plan["resolved"]["sdpa_backend"]["value"]):
+            for step in bar:
+                progress.start_step(last_s)
+                rec = _step(engine, batches, cfg.grad_accum_steps, pad_id, now, offloader)
+                progress.end_step()
+                last_s = rec["time_s"]
+                if not math.isfinite(rec["loss"]):
+                    raise TrainingError(f"loss is {rec['loss']} at step {step}: training would go "
+                                        f"on on garbage. Lower optim.lr, check the data, or use bf16")
+                rec.update(step=step, timed=step > cfg.train.warmup_iterations,
+                           seq_tokens=cfg.grad_accum_steps * cfg.train.micro_batch_size * seq,
+                           max_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+                           max_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
+                log.write("iter", **rec)
+                if step == start + 1 and rank == 0:
+                    _first_step_warnings(rec, offloader, plan["patches"])
+                if rank == 0:
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}",
+                                    tok_s=f"{rec['tokens'] * world / rec['time_s']:.0f}")
+                    if step % cfg.train.log_every == 0 and bar.disable:
+                        print(f"step {step}/{cfg.train.iterations} loss {rec['loss']:.4f} "
+                              f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
+                every = cfg.output.checkpoint_every
+                saved = bool(ckpt_dir is not None and every and step % every == 0
+                             and step < cfg.train.iterations)
+                if saved:
+                    _save(engine, cfg, ckpt_dir, step, fp)
+                if stopper is not None and (sig := stopper.agreed(engine.device)):
+                    bar.close()
+                    _stop(engine, cfg, ckpt_dir, step, fp, saved, sig, log, rank)
+        if ckpt_dir is not None and cfg.output.save_checkpoint:
+            engine.save_checkpoint(str(ckpt_dir), tag="final")
+        if export_dir is not None:
+            export(engine, cfg, export_dir, step)
+    except stop.Stopped:
+        raise
+    except torch.OutOfMemoryError as e:
+        log.write("end", status="failed", steps=step - 1, error=f"CUDA out of memory: {e}")
+        log.close()
+        raise TrainingError(
+            f"CUDA out of memory at step {step}, sequence length {seq}, micro-batch "
+            f"{cfg.train.micro_batch_size}: lower data.max_seq_length or train.micro_batch_size, "
+            f"offload more (zero.offload_param: cpu) or keep checkpointing on") from None
+    except BaseException as e:
+        log.write("end", status="failed", steps=step - 1, error=f"{type(e).__name__}: {e}")
+        log.close()
+        raise
+    log.write("end", status="complete", steps=step)
+    log.close()
+    dist.barrier()

@@ -1,0 +1,70 @@
+"""One training rank, started by the deepspeed launcher (or torchrun) from `stages/train.py`.
+
+    deepspeed --num_gpus 1 --no_local_rank --module longft.engine.worker --params params.yaml \
+        --plan artifacts/plan.json --ds-config artifacts/ds_config.json \
+        --data data/prepared --run runs/train --checkpoints checkpoints
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+from longft.engine.checkpoint import CheckpointError, disk_full_message
+from longft.config.params import ConfigError, load
+from longft.engine.opbuild import diagnose
+from longft.engine.stop import StopRequest, Stopped
+from longft.engine.trainer import TrainingError, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    # SIGINT/SIGTERM: finish the step, checkpoint, exit 130/143 (stop.py); a second one force-quits.
+    with StopRequest() as stopper:
+        return _main(argv, stopper)
+
+
+def _main(argv: list[str] | None, stopper: StopRequest) -> int:
+    ap = argparse.ArgumentParser(prog="longft.engine.worker")
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--plan", default="artifacts/plan.json")
+    ap.add_argument("--ds-config", default="artifacts/ds_config.json")
+    ap.add_argument("--data", default="data/prepared")
+    ap.add_argument("--run", default="runs/train")
+    ap.add_argument("--checkpoints", default=None)
+    ap.add_argument("--export", default=None)
+    a = ap.parse_args(argv)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed 0.19 calls c10d collectives that torch 2.13 marks deprecated, once per call.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+.* is deprecated",
+                            category=FutureWarning)
+    try:
+        cfg = load(a.params)
+        plan = json.loads(Path(a.plan).read_text())
+        ds = json.loads(Path(a.ds_config).read_text())
+        train(cfg, plan, ds, Path(a.data), Path(a.run),
+              Path(a.checkpoints) if a.checkpoints else None,
+              Path(a.export) if a.export else None, stopper)
+    except Stopped as e:
+        return e.exit_code  # 130 (SIGINT) / 143 (SIGTERM); rank 0 said where the checkpoint is
+    except (ConfigError, TrainingError, CheckpointError, ValueError) as e:
+        print(f"longft train: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:
+        failure = diagnose(e)  # a DeepSpeed op that could not be compiled or loaded?
+        if failure is not None:
+            print(f"longft train: {failure.message()}", file=sys.stderr, flush=True)
+            return 2
+        full = disk_full_message(e, [a.checkpoints, a.export, a.run])  # final checkpoint, export
+        if full is None:
+            raise
+        print(f"longft train: {full}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Parameter counts and ZeRO partitioning for the estimator: the decoder's shapes, the numels in
+model.parameters() order, the trainable (LoRA) subset, DeepSpeed's optimizer sub-groups and
+bucket sizes, and the derived sizes (`Numbers`) that the GPU and host item builders share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from longft.estimate.types import DS_SUB_GROUP_SIZE, Setup
+
+
+def dims(arch: dict) -> dict:
+    """The architecture numbers the formulas use, under short names (h, I, L, H, kv, d, V)."""
+    h, heads = int(arch["hidden_size"]), int(arch["num_attention_heads"])
+    d = int(arch.get("head_dim") or h // heads)
+    return {"h": h, "I": int(arch["intermediate_size"]), "L": int(arch["num_hidden_layers"]),
+            "H": heads, "kv": int(arch.get("num_key_value_heads") or heads), "d": d,
+            "V": int(arch["vocab_size"]), "tied": bool(arch.get("tie_word_embeddings")),
+            # Qwen2 has q/k/v biases without saying so in its config.
+            "qkv_bias": bool(arch.get("attention_bias")) or arch.get("model_type") == "qwen2"}
+
+
+def _linear_shapes(a: dict) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each decoder-layer linear."""
+    h, I, H, kv, d = a["h"], a["I"], a["H"], a["kv"], a["d"]
+    return {"q_proj": (h, H * d), "k_proj": (h, kv * d), "v_proj": (h, kv * d), "o_proj": (H * d, h),
+            "gate_proj": (h, I), "up_proj": (h, I), "down_proj": (I, h)}
+
+
+def layer_params(arch: dict) -> list[tuple[str, int]]:
+    """(name, numel) of one decoder layer, in model.parameters() order (Llama/Mistral/Qwen2)."""
+    a = dims(arch)
+    out = []
+    for name, (i, o) in _linear_shapes(a).items():
+        out.append((name, i * o))
+        if a["qkv_bias"] and name in ("q_proj", "k_proj", "v_proj"):
+            out.append((name + ".bias", o))
+    return out + [("input_layernorm", a["h"]), ("post_attention_layernorm", a["h"])]
+
+
+def param_numels(arch: dict) -> list[tuple[str, int]]:
+    """(name, numel) of every parameter in model.parameters() order; a tied lm_head appears once."""
+    a = dims(arch)
+    out = [("embed_tokens", a["V"] * a["h"])]
+    for i in range(a["L"]):
+        out += [(f"layers.{i}.{n}", k) for n, k in layer_params(arch)]
+    out.append(("norm", a["h"]))
+    if not a["tied"]:
+        out.append(("lm_head", a["V"] * a["h"]))
+    return out
+
+
+def trainable_numels(arch: dict, s: Setup) -> list[int]:
+    """Numels of the parameters the optimizer owns: all, or LoRA A and B of each target linear."""
+    if s.lora_rank <= 0:
+        return [n for _, n in param_numels(arch)]
+    a = dims(arch)
+    out = []
+    for _ in range(a["L"]):
+        for name, (i, o) in _linear_shapes(a).items():
+            if name in s.lora_targets:
+                out += [s.lora_rank * i, o * s.lora_rank]
+    return out
+
+
+def sub_groups(numels: list[int], size: int = DS_SUB_GROUP_SIZE) -> list[int]:
+    """Element counts of DeepSpeed ZeRO-3's optimizer sub-groups (stage3._create_fp16_sub_groups):
+    parameters are appended in order until a group reaches `size`."""
+    total = sum(numels)
+    if size >= total:
+        return [total]
+    groups, cur = [], 0
+    for i, n in enumerate(numels):
+        cur += n
+        if cur >= size or i == len(numels) - 1:
+            groups.append(cur)
+            cur = 0
+    return groups
+
+
+def zero_knobs(s: Setup, hidden_size: int) -> dict:
+    """The DeepSpeed bucket and threshold numbers longft's ds_config writes for this setup."""
+    from longft.config.params import Config, ZeroConfig
+    from longft.engine.ds_config import zero_section
+
+    cfg = Config(zero=ZeroConfig(stage=s.zero_stage, overlap_comm=s.overlap_comm,
+                                 offload_optimizer="cpu" if s.offload_optimizer else "none",
+                                 offload_param="cpu" if s.offload_param else "none"))
+    return zero_section(cfg, hidden_size)
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """Derived sizes shared by the GPU (estimate_gpu) and host (estimate_host) item builders."""
+    a: dict              # dims(): h, I, L, H, kv, d, V, tied
+    w: int               # bytes of a weight, gradient or activation element
+    T: int               # tokens per micro-step: micro-batch x seq
+    knobs: dict          # zero_knobs()
+    params: list         # param_numels()
+    trainable: list      # trainable_numels()
+    P: int               # all parameters
+    P_r: int             # a rank's share of them (each parameter padded to the world size)
+    Pt_r: int            # a rank's share of the trainable ones
+    groups: list         # optimizer sub-groups of the rank's trainable share
+    layer: int           # parameters of one decoder layer
+    biggest: int         # largest parameter of a decoder layer
+    largest: int         # largest parameter of the model (the embedding)
+
+
+def share(n: int, world: int) -> int:
+    """One rank's partition of a parameter of n elements (ZeRO pads it to a multiple of world)."""
+    return -(-n // world)
+
+
+def numbers(arch: dict, s: Setup) -> Numbers:
+    """The derived sizes of `s` on `arch`."""
+    a, N = dims(arch), s.world_size
+    params, trainable = param_numels(arch), trainable_numels(arch, s)
+    per_layer = layer_params(arch)
+    return Numbers(
+        a=a, w=4 if s.precision == "fp32" else 2, T=s.micro_batch * s.seq_len,
+        knobs=zero_knobs(s, a["h"]), params=params, trainable=trainable,
+        P=sum(n for _, n in params), P_r=sum(share(n, N) for _, n in params),
+        Pt_r=sum(share(n, N) for n in trainable),
+        groups=sub_groups([share(n, N) for n in trainable]) if trainable else [0],
+        layer=sum(n for _, n in per_layer), biggest=max(n for _, n in per_layer),
+        largest=max(n for _, n in params))

@@ -1,0 +1,162 @@
+"""Predict a run's memory before it runs: peak GPU memory per rank and peak host memory per node.
+
+    from longft.estimate import Setup, estimate, format_table
+    print(format_table(estimate(arch, Setup(micro_batch=4, seq_len=16384))))
+
+`estimate(arch, setup)` is a pure function of the architecture numbers (`plan.architecture()`) and
+a `Setup` (micro-batch, sequence length, ranks, precision, kernels, checkpointing, ZeRO placement).
+It returns every item in bytes: model states, gathered parameters, activation checkpoints, the
+working set of the one decoder layer being recomputed, the loss, DeepSpeed buffers and pinned host
+buffers. The GPU peak is the largest of three moments of an iteration (end of the fused loss,
+backward of the last decoder layer, optimizer step) and predicts torch's max allocated memory; the
+host peak is the larger of the start-up peak and the steady state after the first optimizer step,
+and predicts the process-tree RSS.
+
+Every formula, where each tensor comes from (DeepSpeed 0.19 / torch 2.11 / transformers 5 / Liger
+0.8 code paths) and the calibration on the H200 rows are in docs/estimator.md.
+
+This module holds the entry points (estimate, setup_from_config, estimate_for_plan, compare, fits)
+and re-exports the names of the pieces it is built from:
+    estimate_types   Setup, Item, Estimate, Fit and the calibration constants
+    estimate_arch    parameter counts, LoRA subset, ZeRO sub-groups and bucket sizes
+    estimate_gpu     per-rank GPU items (model states, activations, loss)
+    estimate_host    per-node host items (baseline, pinned-pool replay, CPU Adam)
+    estimate_format  describe, format_table, to_dict
+"""
+
+from __future__ import annotations
+
+from longft.estimate.arch import numbers, param_numels, sub_groups, zero_knobs
+from longft.estimate.format import describe, format_table, gib, to_dict
+from longft.estimate.gpu import gpu_activation_items, gpu_state_items, layer_activation_bytes, reuse_layers
+from longft.estimate.host import host_items, host_peak, pinned, pinned_pool
+from longft.estimate.types import CUDA_CONTEXT_BYTES, GIB, LAUNCHER_BASE_BYTES, PHASES, RANK_BASE_BYTES, SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES, Estimate, Fit, Item, Setup, reserved_factor
+
+__all__ = [
+    # entry points
+    "estimate", "setup_from_config", "estimate_for_plan", "compare", "fits",
+    # estimate_types
+    "GIB", "PHASES", "CUDA_CONTEXT_BYTES", "RANK_BASE_BYTES", "LAUNCHER_BASE_BYTES", "SETUP_RANK_BYTES",
+    "SETUP_LAUNCHER_BYTES",
+    "Setup", "Item", "Estimate", "Fit",
+    # estimate_arch
+    "param_numels", "sub_groups", "zero_knobs",
+    # estimate_gpu, estimate_host
+    "layer_activation_bytes", "reuse_layers", "pinned", "pinned_pool", "host_peak",
+    # estimate_format
+    "describe", "format_table", "to_dict",
+]
+
+
+def estimate(arch: dict, s: Setup) -> Estimate:
+    """Itemised peak GPU memory per rank and host memory per node (bytes) for `s` on `arch`."""
+    bad = s.problems()
+    if bad:
+        raise ValueError("; ".join(bad))
+    n = numbers(arch, s)
+    items = (gpu_state_items(arch, s, n) + gpu_activation_items(arch, s, n)
+             + host_items(arch, s, n))
+    phases = {p: sum(i.bytes for i in items if i.where == "gpu" and p in i.phases) for p in PHASES}
+    peak_phase = max(PHASES, key=lambda p: phases[p])
+    alloc = phases[peak_phase]
+    if s.device == "cpu":    # no GPU: the "gpu" items are the rank's tensors, held in host memory
+        items.append(Item("rank tensors (the GPU items, in host RAM)", "host",
+                          s.ranks_per_node * alloc, ("steady",),
+                          f"{s.ranks_per_node} rank(s) x the {peak_phase} total of the GPU items"))
+        alloc = 0
+    reserved = int(alloc * reserved_factor(s.expandable_segments))
+    host_phase, host_totals = host_peak(items)
+    return Estimate(setup=s, items=tuple(items), gpu_phases=phases, gpu_peak_phase=peak_phase,
+                    gpu_allocated=alloc, gpu_reserved=reserved,
+                    gpu_nvml=reserved + CUDA_CONTEXT_BYTES if s.device == "cuda" else 0,
+                    host_rss=host_totals[host_phase], host_moments=host_totals,
+                    host_peak_moment=host_phase)
+
+
+def _value(resolved: dict, key: str, default):
+    """A resolved choice as hardware.resolve returns it (Choice), as plan.json stores it
+    ({"value", "reason"}) or plain."""
+    v = resolved.get(key, default)
+    if isinstance(v, dict):
+        return v.get("value", default)
+    return getattr(v, "value", v)
+
+
+def setup_from_config(cfg, resolved: dict, world_size: int | None = None) -> Setup:
+    """The Setup of a validated Config whose `auto` values were resolved (plan.json "resolved")."""
+    ws = world_size or cfg.world_size
+    micro = cfg.train.micro_batch_size
+    return Setup(
+        micro_batch=micro, seq_len=cfg.data.max_seq_length, world_size=ws,
+        device=_value(resolved, "device", "cuda"),
+        ranks_per_node=max(1, min(cfg.hardware.num_gpus, ws)),
+        precision=_value(resolved, "precision", "bf16"),
+        attention=_value(resolved, "attention", "sdpa"),
+        sdpa_backend=_value(resolved, "sdpa_backend", "default"),
+        liger=bool(_value(resolved, "liger", False)),
+        checkpointing=_value(resolved, "checkpointing", "gpu"),
+        gpu_layers=cfg.checkpointing.gpu_layers,
+        keep_attention=cfg.checkpointing.keep_attention,
+        tiled_mlp=bool(_value(resolved, "tiled_mlp", False)),
+        tile_tokens=cfg.kernels.tiled_mlp_tokens,
+        expandable_segments=cfg.hardware.expandable_segments,
+        zero_stage=cfg.zero.stage, offload_optimizer=cfg.zero.offload_optimizer == "cpu",
+        offload_param=cfg.zero.offload_param == "cpu", overlap_comm=cfg.zero.overlap_comm,
+        grad_accum=max(1, cfg.train.global_batch_size // (micro * ws)),
+        host_grad_buffer=_value(resolved, "host_grad_buffer", "full"),  # absent: older plans
+        # random rows are one document each; packed real data gets a block-diagonal mask
+        packed=cfg.data.pack and cfg.data.source != "random",
+        lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.target_modules))
+
+
+def estimate_for_plan(cfg, arch: dict, resolved: dict, world_size: int) -> dict:
+    """The memory estimate for artifacts/plan.json (JSON-able)."""
+    return to_dict(estimate(arch, setup_from_config(cfg, resolved, world_size)))
+
+
+def _measured(d: dict, *keys):
+    for k in keys:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d if isinstance(d, (int, float)) else None
+
+
+def compare(predicted: dict, train_metrics: dict) -> dict:
+    """Predicted vs measured peaks (GiB) and relative error (predicted - measured) / measured.
+
+    predicted: estimate_for_plan()'s dict (or a dict holding it under "estimate");
+    train_metrics: metrics/train.json. Measurements a run lacks (VRAM on CPU) give null errors.
+    """
+    est = predicted.get("estimate", predicted)
+    rows = {
+        "vram_max_allocated": (est["gpu"]["allocated_bytes"], ("peak_vram", "max_allocated_gib")),
+        "vram_max_reserved": (est["gpu"]["reserved_bytes"], ("peak_vram", "max_reserved_gib")),
+        "vram_nvml_used": (est["gpu"]["nvml_bytes"], ("peak_vram", "nvml_used_gib")),
+        "dram_rss_tree": (est["host"]["rss_bytes"], ("peak_dram", "rss_tree_gib")),
+    }
+    out = {}
+    for name, (pred, keys) in rows.items():
+        meas = _measured(train_metrics, *keys)
+        err = None if not meas else round((pred / GIB - meas) / meas, 4)
+        out[name] = {"predicted_gib": gib(pred), "measured_gib": meas, "rel_error": err}
+    return out
+
+
+def fits(est: Estimate, gpu_mem_gib: float | None, host_mem_gib: float | None,
+         vram_limit_gib: float | None = None) -> Fit:
+    """Does it fit? GPU: the NVML-level prediction (reserved + context) against the card, and the
+    reserved prediction against hardware.vram_limit_gib; host: predicted RSS against host RAM."""
+    reasons, gpu_ok, host_ok = [], None, None
+    if gpu_mem_gib is not None:
+        gpu_ok = est.gpu_nvml <= gpu_mem_gib * GIB
+        reasons.append(f"GPU: needs {est.gpu_nvml / GIB:.2f} GiB (allocated {est.gpu_allocated / GIB:.2f}"
+                       f" x {reserved_factor(est.setup.expandable_segments)} + context {CUDA_CONTEXT_BYTES / GIB:.1f}) of "
+                       f"{gpu_mem_gib:.1f} GiB")
+    if vram_limit_gib is not None:
+        ok = est.gpu_reserved <= vram_limit_gib * GIB
+        gpu_ok = ok if gpu_ok is None else gpu_ok and ok
+        reasons.append(f"GPU cap: reserved {est.gpu_reserved / GIB:.2f} GiB of "
+                       f"hardware.vram_limit_gib {vram_limit_gib:.1f}")
+    if host_mem_gib is not None:
+        host_ok = est.host_rss <= host_mem_gib * GIB
+        reasons.append(f"host: needs {est.host_rss / GIB:.2f} GiB of {host_mem_gib:.1f} GiB")
+    return Fit(gpu_ok, host_ok, tuple(reasons))

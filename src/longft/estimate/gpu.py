@@ -1,0 +1,185 @@
+"""GPU items of the estimate, per rank: one decoder layer's activation bytes per token, the ZeRO-3
+layers kept gathered, and the two item builders (model states; activations and loss). Each item
+says the PHASES it is alive in; docs/estimator.md derives every formula.
+"""
+
+from __future__ import annotations
+
+import math
+
+from longft.estimate.arch import Numbers, dims, layer_params
+from longft.estimate.types import LOSS_CHUNK_MEM, PHASES, Item, Setup
+from longft.model.tiled_mlp import tiles
+
+
+def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
+    """Bytes per token of one decoder layer: tensors saved for backward ("saved") and the largest
+    moment of its backward ("peak", saved tensors + transients). See docs/estimator.md."""
+    a = dims(arch)
+    h, I, H, kv, d = a["h"], a["I"], a["H"], a["kv"], a["d"]
+    x = 4 if s.precision == "fp32" else 2          # activation bytes
+    Hd, kvd = H * d, kv * d
+    quadratic = s.attention == "eager" or (s.attention == "sdpa" and s.sdpa_backend == "math")
+    # K/V heads repeated to H: eager, the efficient kernel (no enable_gqa) and any sdpa with a mask.
+    expand = kv != H and (quadratic or (s.attention == "sdpa" and (
+        s.sdpa_backend == "efficient" or s.packed)))
+    k_saved = Hd if expand else kvd
+    if s.liger:
+        norms = 2 * x * h                                    # RMSNorm outputs (input is kept anyway)
+        qk = x * (Hd + k_saved)                              # RoPE rotates q, k in place
+        mlp = 3 * x * I                                      # gate, up, silu(gate)*up
+        mlp_bwd = x * I                                      # d(silu*up); SwiGLU grads land in place
+    else:
+        norms = 2 * (4 * h + 2 * x * h)                      # fp32 upcast, normed, weight * normed
+        qk = x * 3 * Hd + x * 3 * k_saved                    # q, rotate_half(q), q_embed; same for k
+        mlp = 4 * x * I                                      # gate, act(gate), up, act*up
+        mlp_bwd = 3 * x * I                                  # d(prod), d(act), d(up)
+    mlp_tile = 0
+    if s.tiled_mlp:
+        # TiledMLP saves only its input (the norm output, counted above); its backward holds a
+        # [tokens, h] input-grad buffer and one tile's intermediates at a time.
+        tokens = s.micro_batch * s.seq_len
+        if tiles(tokens, s.tile_tokens) > 1:
+            mlp_tile = int(s.tile_tokens / tokens * (mlp + mlp_bwd + 2 * x * h)) + x * h
+            mlp, mlp_bwd = 0, 0
+    v = x * k_saved
+    attn_out = x * Hd                                        # kernel output = o_proj input (no copy)
+    residual = x * h                                         # h1 = x + attn, post-norm input
+    small = 2 * 4 + 4 * H                                    # rstd x2, log-sum-exp (fp32)
+    # eager / math kernel: softmax output in fp32 and probabilities in x, H x seq per query token
+    probs = H * s.seq_len * (4 + x) if quadratic else 0
+    saved = norms + qk + v + attn_out + residual + mlp + small + probs
+    dout = x * h                                             # gradient arriving at the layer output
+    peak_mlp = saved + mlp_bwd + dout + mlp_tile
+    # attention backward: MLP tensors are gone; dq (+ fp32 accumulator), dk, dv (expanded for GQA)
+    attn_alive = norms // 2 + qk + v + attn_out + small + probs + x * Hd + x * h  # + d_out, d_h1
+    attn_tmp = x * Hd + 4 * Hd + 2 * x * kvd + (2 * x * Hd if kv != H else 0) + probs
+    peak_attn = attn_alive + attn_tmp
+    recompute = saved + 2 * x * h                            # end of recompute: down out + layer out
+    return {"saved": saved, "peak": max(peak_mlp, peak_attn, recompute),
+            "mlp_peak": peak_mlp, "attn_peak": peak_attn}
+
+
+def reuse_layers(arch: dict, s: Setup, knobs: dict) -> int:
+    """Decoder layers whose gathered ZeRO-3 parameters stay on the GPU besides the current one.
+
+    A module's parameters are not released when the trace shows them used again within
+    stage3_max_reuse_distance elements. Layer i's next use after its forward is its backward
+    (2 layers of trace per later layer) or, with checkpointing, its recompute (3 per later layer).
+    """
+    per_layer = sum(n for _, n in layer_params(arch))
+    per_step = (2 if s.checkpointing == "none" else 3) * per_layer
+    k = max(0, math.ceil(knobs["stage3_max_reuse_distance"] / per_step) - 1)
+    a = dims(arch)
+    live_cap = knobs["stage3_max_live_parameters"] // per_layer - 1
+    return max(0, min(k, a["L"] - 1, live_cap))
+
+
+ALL, FB = PHASES, ("loss", "backward")
+
+
+def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
+    """Weights, gathered ZeRO-3 parameters, gradients, optimizer states and step buffers."""
+    out: list[Item] = []
+
+    def gpu(name, b, phases, formula):
+        out.append(Item(name, "gpu", int(b), tuple(phases), formula))
+
+    w, N, k, z3 = n.w, s.world_size, n.knobs, s.zero_stage == 3
+    h, V = n.a["h"], n.a["V"]
+    if z3:
+        if not s.offload_param:
+            gpu("weights: partitions", w * n.P_r, ALL, f"{w} B x {n.P:,} params / {N} ranks")
+        if s.offload_param or N > 1:            # a world of one without offload gathers nothing
+            kept = reuse_layers(arch, s, k)
+            thr = k["stage3_param_persistence_threshold"]
+            persist = sum(m for _, m in n.params if m <= thr)
+            gpu("weights: persistent small params", w * persist, ALL,
+                f"{w} B x {persist:,} (params <= {thr:,} elements stay gathered)")
+            gpu("weights: gathered decoder layers", w * n.layer * (1 + kept), ALL,
+                f"{w} B x {n.layer:,} per layer x (1 current + {kept} kept by max_reuse_distance)")
+            gpu("weights: gathered lm_head", w * V * h, FB if s.liger else ("loss",),
+                f"{w} B x vocab {V:,} x h {h:,} (external param of the top module under Liger)"
+                if s.liger else f"{w} B x vocab x h while lm_head runs")
+            gpu("ZeRO-3 prefetch bucket", w * k["stage3_prefetch_bucket_size"], FB,
+                f"{w} B x 0.9 h^2 = {k['stage3_prefetch_bucket_size']:,} elements")
+    else:
+        gpu("weights: full copy (ZeRO-2)", w * n.P, ALL, f"{w} B x {n.P:,} params on every rank")
+    master = 0 if w == 4 else 4                 # fp32 runs update the weights themselves
+    if not s.offload_optimizer:
+        gpu("gradients: partitions", w * n.Pt_r, ALL,
+            f"{w} B x {sum(n.trainable):,} trainable / {N}")
+        gpu("optimizer: fp32 master + Adam m, v", (master + 8) * n.Pt_r, ALL,
+            f"({master} + 4 + 4) B x {n.Pt_r:,} trainable per rank")
+        g = max(n.groups) if z3 else n.Pt_r
+        extra = w if w != 4 else 0
+        gpu("step: fp32 gradient of the largest sub-group", (4 + extra) * g, ("step",),
+            f"(4 + {extra}) B x {g:,} elements (flatten, .float())")
+    elif not z3:
+        gpu("gradient staging buffer (ZeRO-2 offload)", w * n.largest, ALL,
+            f"{w} B x largest param {n.largest:,}")
+    bufs = 1 if z3 or not s.overlap_comm else 2
+    gpu("gradients: reduce bucket + one in flight",
+        w * (bufs * k["reduce_bucket_size"] + n.biggest), ("backward",),
+        f"{w} B x ({bufs} x reduce_bucket h^2 + largest layer param {n.biggest:,})")
+    return out
+
+
+def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
+    """Inputs, checkpoints, the recomputed layer, the loss and the tied lm_head gradient."""
+    out: list[Item] = []
+
+    def gpu(name, b, phases, formula):
+        out.append(Item(name, "gpu", int(b), tuple(phases), formula))
+
+    x, T, w = n.w, n.T, n.w
+    h, L, V, d = n.a["h"], n.a["L"], n.a["V"], n.a["d"]
+    act = layer_activation_bytes(arch, s)
+    gpu("inputs + rotary cos/sin", T * (3 * 8 + 2 * x * d), FB,
+        f"micro x seq x (3 int64 ids/labels/positions + 2 x {x} B x head_dim {d})")
+    if s.packed and s.attention in ("sdpa", "eager"):
+        mb = 1 if s.attention == "sdpa" else x
+        gpu("attention mask (packed rows)", s.micro_batch * s.seq_len ** 2 * mb, FB,
+            f"micro x seq^2 x {mb} B (block-diagonal mask, shared by the layers)")
+    ckpt = T * x * h
+    if s.checkpointing == "gpu":
+        gpu("activation checkpoints (GPU)", L * ckpt, FB, f"L {L} x micro x seq x h {h} x {x} B")
+    elif s.checkpointing == "cpu_offload":
+        # The kept layers' inputs are freed by their backward before the first offloaded one comes
+        # back, so at most max(gpu_layers, 2) checkpoints are on the GPU at a time.
+        if s.gpu_layers:
+            gpu("activation checkpoints kept on the GPU", s.gpu_layers * ckpt, FB,
+                f"gpu_layers {s.gpu_layers} x micro x seq x h x {x} B")
+        if s.gpu_layers < 2:
+            k = 2 - s.gpu_layers
+            gpu("activation checkpoints: in use + prefetched", k * ckpt, FB,
+                f"{k} x micro x seq x h x {x} B (the rest in pinned host memory)")
+    else:
+        gpu("layer inputs (no checkpointing)", L * ckpt, FB, f"L {L} x micro x seq x h x {x} B")
+    if s.keep_attention and s.checkpointing != "none":
+        H = n.a["H"]
+        k = min(s.keep_attention, L)
+        per = T * H * (d * x + 4)
+        f = f"micro x seq x heads {H} x (head_dim x {x} B + 4 B log-sum-exp)"
+        gpu("attention outputs kept (keep_attention)", k * per, ("loss",), f"keep_attention {k} x {f}")
+        if k > 1:  # in backward the recomputed layer's kept output is one of its saved tensors
+            gpu("attention outputs kept, besides the recomputed layer's", (k - 1) * per,
+                ("backward",), f"(keep_attention {k} - 1) x {f}")
+    n_saved = L if s.checkpointing == "none" else 1
+    gpu("saved tensors of " + ("all layers" if n_saved > 1 else "the recomputed layer"),
+        n_saved * T * act["saved"], FB if n_saved > 1 else ("backward",),
+        f"{n_saved} x micro x seq x {act['saved']:,} B/token")
+    gpu("backward transients of one layer", T * (act["peak"] - act["saved"]), ("backward",),
+        f"micro x seq x {act['peak'] - act['saved']:,} B/token (peak {act['peak']:,} B/token)")
+    gpu("final layer output + norm output", 2 * ckpt, ("loss",), "2 x micro x seq x h x B")
+    if s.liger:
+        chunk = min(1 << (math.ceil(T / math.ceil(V / (LOSS_CHUNK_MEM * h))) - 1).bit_length(), T)
+        gpu("fused loss: grads + logits chunk", ckpt + w * V * h + x * chunk * V + 4 * T, ("loss",),
+            f"micro x seq x h x {x} + vocab x h x {w} + chunk {chunk:,} x vocab x {x} + 4 x tokens")
+    else:
+        gpu("logits: fp32 log-softmax + 2 fp32 grads", 12 * T * V, ("loss",),
+            "micro x seq x vocab x (4 + 4 + 4) B")
+    if n.a["tied"]:
+        gpu("tied lm_head grad (held to embedding bwd)", w * V * h, ("backward",),
+            f"vocab x h x {w} B")
+    return out

@@ -1,0 +1,152 @@
+"""Host items of the estimate, per node: the process baseline, the pinned buffers (replayed through
+torch's power-of-two host caching allocator) and CPU Adam's states.
+"""
+
+from __future__ import annotations
+
+from longft.estimate.arch import Numbers, share
+from longft.model.checkpoint_offload import OFFLOAD_MIN_BYTES
+from longft.estimate.types import CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES, GIB, HOST_PHASES, LAUNCHER_BASE_BYTES, RANK_BASE_BYTES, SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES, Item, Setup
+
+
+def pinned(n: int) -> int:
+    """Bytes that a pinned host buffer of n bytes really takes: torch's CachingHostAllocator rounds
+    every request up to a power of two and keeps freed blocks cached (resident) for reuse."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+def pinned_pool(events: list[tuple[str, str, int]], rounding: bool = True
+                ) -> tuple[dict[str, int], int]:
+    """Replay pinned allocations through torch's host caching allocator.
+
+    events: ("alloc", key, bytes), ("free", key, 0) or ("empty", "", 0). A request reuses a cached
+    free block of the same power-of-two size, else takes a new one; freed blocks stay resident
+    until an "empty" (torch._C._host_emptyCache, which the trainer calls after
+    deepspeed.initialize) gives the cached ones back to the OS. Returns
+    (rounded bytes of the blocks still allocated, by key) and the resident total (all blocks).
+    rounding=False (a CPU run: pin_memory does nothing) keeps sizes and frees for real.
+    """
+    live, resident, _ = _replay(events, rounding)
+    return live, resident
+
+
+def pinned_peak(events: list[tuple[str, str, int]], rounding: bool = True) -> int:
+    """The most resident bytes at any point of the same replay (pinned_pool)."""
+    return _replay(events, rounding)[2]
+
+
+def _replay(events, rounding: bool) -> tuple[dict[str, int], int, int]:
+    """(live blocks by key, resident total at the end, resident peak) of pinned_pool's replay."""
+    free: dict[int, int] = {}
+    live: dict[str, int] = {}
+    resident = peak = 0
+    for op, key, n in events:
+        if op == "empty":
+            resident -= sum(size * count for size, count in free.items())
+            free = {}
+        elif op == "alloc":
+            r = pinned(n) if rounding else n
+            if rounding and free.get(r, 0) > 0:
+                free[r] -= 1
+            else:
+                resident += r
+            live[key] = r
+        elif rounding:
+            r = live.pop(key)
+            free[r] = free.get(r, 0) + 1
+        else:                      # not pinned: freed for real
+            resident -= live.pop(key)
+        peak = max(peak, resident)
+    return live, resident, peak
+
+
+def host_peak(items: list[Item]) -> tuple[str, dict[str, int]]:
+    """The host moment with the most RSS (start-up or training) and the totals of both."""
+    totals = {p: sum(i.bytes for i in items if i.where == "host" and p in i.phases)
+              for p in HOST_PHASES}
+    return max(HOST_PHASES, key=lambda p: totals[p]), totals
+
+
+def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
+    """Per node: process baseline (and its start-up peak), pinned buffers (replayed through torch's
+    host cache), CPU Adam."""
+    R, w, N, z3 = s.ranks_per_node, n.w, s.world_size, s.zero_stage == 3
+    cuda = s.device == "cuda"
+    launcher, rank = ((LAUNCHER_BASE_BYTES, RANK_BASE_BYTES) if cuda
+                      else (CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES))
+    out = [Item("process baseline", "host", launcher + R * rank, HOST_PHASES,
+                f"launcher {launcher / GIB:.2f} GiB + {R} rank(s) x {rank / GIB:.2f} GiB")]
+    setup = SETUP_LAUNCHER_BYTES + R * SETUP_RANK_BYTES
+    if cuda and setup > out[0].bytes:   # the start-up peak, over before the pinned buffers fill
+        out.append(Item("start-up peak above the baseline", "host", setup - out[0].bytes,
+                        ("setup",), f"launcher {SETUP_LAUNCHER_BYTES / GIB:.2f} GiB + {R} rank(s) x "
+                        f"{SETUP_RANK_BYTES / GIB:.2f} GiB at start-up, less the baseline"))
+    events: list[tuple[str, str, int]] = []
+    names: dict[str, str] = {}
+
+    def alloc(key, b, name):
+        events.append(("alloc", key, b))
+        names[key] = name
+
+    if s.offload_param:      # zero.Init pins each partition, then the optimizer moves them to one buffer
+        for i, (_, m) in enumerate(n.params):
+            alloc(f"init:{i}", w * share(m, N), "")
+        alloc("lp", w * n.P_r, "weights: partitions (pinned)")
+        events += [("free", f"init:{i}", 0) for i in range(len(n.params))]
+    if s.offload_optimizer and z3:
+        for i, g in enumerate(n.groups):
+            alloc(f"g32:{i}", 4 * g, "CPU Adam fp32 gradients (pinned)")
+        alloc("g16", w * n.Pt_r, "gradients: partitions (pinned)")
+        if s.host_grad_buffer == "shared":  # the trainer swaps it for one slot (grad_buffer.py)
+            alloc("g16s", w * max(share(m, N) for m in n.trainable),
+                  "gradients: one shared staging slot (pinned)")
+            events.append(("free", "g16", 0))
+    elif s.offload_optimizer:
+        alloc("m32", 4 * n.Pt_r, "optimizer: fp32 master (pinned)")
+        alloc("p16", w * n.Pt_r, "weights: bf16 staging (pinned)")
+        alloc("tmp", w * n.largest, "gradients: staging (pinned)")
+        alloc("g32", 4 * n.Pt_r, "CPU Adam fp32 gradients (pinned)")
+        if s.grad_accum > 1:
+            for i, m in enumerate(n.trainable):
+                alloc(f"acc:{i}", w * share(m, N), "gradient accumulation buffers (pinned)")
+    at_start = pinned_peak(events, rounding=cuda)   # all of deepspeed.initialize's pinned blocks
+    events.append(("empty", "", 0))  # after deepspeed.initialize (trainer.py)
+    if s.checkpointing == "cpu_offload" and n.T * w * n.a["h"] >= OFFLOAD_MIN_BYTES:
+        # only the decoder layers' saved inputs go (offload.CheckpointOffload), not the last gpu_layers
+        for i in range(max(0, n.a["L"] - s.gpu_layers)):
+            alloc(f"ckpt:{i}", n.T * w * n.a["h"], "activation checkpoints (pinned)")
+    for j in range(2):       # the DataLoader pins each batch; the previous one is still referenced
+        for t in range(3):
+            alloc(f"batch:{j}:{t}", n.T * 8, "DataLoader pinned batches")
+    live, resident = pinned_pool(events, rounding=cuda)
+    by_name: dict[str, int] = {}
+    for key, r in live.items():
+        by_name[names[key]] = by_name.get(names[key], 0) + r
+    for name, b in by_name.items():
+        out.append(Item(name if cuda else name.replace(" (pinned)", "").replace(" pinned", ""),
+                        "host", R * b, ("steady",),
+                        f"{R} rank(s) x power-of-two pinned blocks" if cuda else f"{R} rank(s)"))
+    if at_start:
+        out.append(Item("start-up: pinned blocks of DeepSpeed's init" if cuda
+                        else "start-up: host buffers of DeepSpeed's init", "host", R * at_start,
+                        ("setup",), f"{R} rank(s) x the resident peak before the pinned cache is "
+                        "emptied (freed zero.Init blocks included)" if cuda
+                        else f"{R} rank(s) x the peak of DeepSpeed's host buffers at start-up"))
+    if resident > sum(live.values()):
+        out.append(Item("pinned blocks cached (freed, not reused)", "host",
+                        R * (resident - sum(live.values())), ("steady",),
+                        "freed pinned blocks kept in torch's host cache"))
+    if s.offload_optimizer and z3 and not s.offload_param and cuda and w < 4 and max(n.groups):
+        # the step copies each sub-group's fp32 master into the GPU's bf16 partition; a CPU -> GPU
+        # copy_ that changes dtype converts on the CPU first (ATen copy_kernel_cuda), into a
+        # pageable temporary that lives while the copy runs
+        g = max(n.groups)
+        out.append(Item("step: bf16 copy of a sub-group (pageable)", "host", R * w * g,
+                        ("steady",), f"{R} rank(s) x {w} B x {g:,} elements, during the step"))
+    if s.offload_optimizer:
+        if z3:
+            out.append(Item("optimizer: fp32 master", "host", R * 4 * n.Pt_r, HOST_PHASES,
+                            f"{R} x 4 B x {n.Pt_r:,}"))
+        out.append(Item("optimizer: Adam m, v (CPU Adam)", "host", R * 8 * n.Pt_r, ("steady",),
+                        f"{R} x 8 B x {n.Pt_r:,}"))
+    return out

@@ -1,0 +1,161 @@
+"""What the memory estimator works on and returns, and its calibration constants.
+
+`Setup` is a run as far as memory cares (every `auto` resolved); `Item` is one line of the
+estimate (bytes, where, when alive, formula); `Estimate` is the whole prediction. The constants
+are measured on the H200 rows; docs/estimator.md says how.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from longft.hardware.policy import why_not_shared_grad_buffer as why_not
+from longft.model.tiled_mlp import TILE_TOKENS
+
+GIB = 2**30
+PHASES = ("loss", "backward", "step")
+"""GPU moments compared for the peak: end of the forward (fused loss computed), backward of the
+last decoder layer (all checkpoints still held), optimizer step (activations gone)."""
+HOST_PHASES = ("setup", "steady")
+"""Host moments compared for the peak: start-up (end of deepspeed.initialize, before the trainer
+empties the pinned cache) and training (after the first optimizer step)."""
+
+# ---------------------------------------------------------------- calibration (docs/estimator.md)
+CUDA_CONTEXT_BYTES = int(1.9 * GIB)
+"""NVML used minus torch reserved on the H200 rows: 1.89 and 1.93 GiB (CUDA context, cuBLAS/cuDNN
+handles, NCCL, loaded kernels, driver reservations). Not part of torch's allocator."""
+RESERVED_FACTOR = 1.2
+"""torch max reserved / max allocated on the H200 rows with the classic allocator (commits up to
+0d5e951): 1.17 and 1.24 (caching, fragmentation)."""
+RESERVED_FACTOR_EXPANDABLE = 1.06
+"""The same with hardware.expandable_segments (the default since ff6f07f): 1.008, 1.058 and 1.128 on
+the three 1B rows at ff6f07f. Not a bound: with nothing capping it, DeepSpeed's side-stream pools
+can cache far more (2.45 on the uncapped 8B 128K row); under hardware.vram_limit_gib the allocator
+flushes them instead, and the run fits (docs/estimator.md)."""
+
+
+def reserved_factor(expandable_segments: bool) -> float:
+    return RESERVED_FACTOR_EXPANDABLE if expandable_segments else RESERVED_FACTOR
+RANK_BASE_BYTES = int(2.02 * GIB)
+"""Steady host RSS of one rank with nothing offloaded, while it trains: python, torch,
+CUDA/cuBLAS/cuDNN/NCCL libraries, the CUDA context's host side, DeepSpeed, transformers."""
+LAUNCHER_BASE_BYTES = int(1.28 * GIB)
+"""Steady host RSS of the launcher side of the tree (stage process, deepspeed runner and launch).
+Solved from the H200 rows whose RSS peak came while training (bench/results at bb0129c and
+6d93e57): six 1-rank rows (a', b, c, c with 16/9, d, 8B with checkpoints on the GPU) leave
+3.22-3.35 GiB beside their predicted pinned and CPU Adam items (3.30 taken), the 2-rank row (e, 8B)
+5.32 GiB: a rank 2.02 GiB, the launcher side 1.28 GiB. The 2-rank figure is one row, where 1 % of
+its 184 GiB of items is 1.8 GiB: the split is the weakest part of this calibration."""
+SETUP_RANK_BYTES = int(1.57 * GIB)
+SETUP_LAUNCHER_BYTES = int(3.37 * GIB)
+"""The start-up peak of the tree (engine setup, before step 1), which the rows with little in host
+memory show as their RSS peak: 4.94 GiB with one rank (rows a, a-fp16) and 6.51 GiB with two
+(row e, 1B), solved as launcher side 3.37 GiB + 1.57 GiB a rank. It is transient: row a' adds 4 GiB
+of pinned checkpoints and peaks at 3.30 + 4.0 = 7.2 GiB, not 4.94 + 4.0. The host peak is the larger
+of the two moments (estimate_host.HOST_PHASES)."""
+CPU_RANK_BASE_BYTES = int(0.645 * GIB)
+CPU_LAUNCHER_BASE_BYTES = int(0.39 * GIB)
+"""The same two on a CPU-only run (no CUDA libraries): with the tiny model's tensors (0.04 GiB)
+they add up to the 1.07-1.08 GiB that the repository's CPU run has measured at every commit since
+c9ab3e7 (metrics/train.json); the split is assumed. A run that compiles DeepSpeed's CPU Adam first
+(a fresh machine) peaks at start-up with the compiler's processes instead: 5.0 GiB at 657d855."""
+DS_SUB_GROUP_SIZE = 10**9
+"""DeepSpeed's default zero_optimization.sub_group_size (ds_config does not set it): the optimizer
+step and its fp32 gradient buffers work on groups of about this many parameter elements."""
+LOSS_CHUNK_MEM = 1
+"""Liger fused linear cross-entropy's chunk_mem_const: logits chunk ~ BT x H elements."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything about a run that memory depends on, with every `auto` already resolved."""
+    micro_batch: int
+    seq_len: int
+    device: str = "cuda"             # cuda | cpu (DeepSpeed's CPU accelerator: tensors in host RAM)
+    world_size: int = 1
+    ranks_per_node: int = 1
+    precision: str = "bf16"          # bf16 | fp16 | fp32
+    attention: str = "sdpa"          # flash_attention_2 | sdpa | eager
+    sdpa_backend: str = "default"    # default | flash | cudnn | efficient | math
+    liger: bool = True
+    checkpointing: str = "gpu"       # none | gpu | cpu_offload
+    gpu_layers: int = 0              # cpu_offload: last N layers keep their checkpoints on the GPU
+    keep_attention: int = 0          # last N layers keep their attention output (no recompute)
+    tiled_mlp: bool = False          # MLP over tiles of tile_tokens tokens (tiled.py)
+    tile_tokens: int = TILE_TOKENS
+    expandable_segments: bool = True  # hardware.expandable_segments (reserved ~ allocated)
+    zero_stage: int = 3
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    overlap_comm: bool = True
+    grad_accum: int = 1
+    host_grad_buffer: str = "full"   # full | shared (grad_buffer.py): DeepSpeed's host gradient copy
+    packed: bool = False             # rows hold several documents: sdpa/eager get a [s x s] mask
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.micro_batch < 1 or self.seq_len < 1 or self.world_size < 1 or self.ranks_per_node < 1:
+            p.append("micro_batch, seq_len, world_size and ranks_per_node must be >= 1")
+        if self.device not in ("cuda", "cpu"):
+            p.append(f"device {self.device!r} is not cuda or cpu")
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            p.append(f"precision {self.precision!r} is not bf16, fp16 or fp32")
+        if self.attention not in ("flash_attention_2", "sdpa", "eager"):
+            p.append(f"attention {self.attention!r} is not flash_attention_2, sdpa or eager")
+        if self.sdpa_backend not in ("default", "flash", "cudnn", "efficient", "math"):
+            p.append(f"sdpa_backend {self.sdpa_backend!r} is not default, flash, cudnn, efficient or math")
+        if self.checkpointing not in ("none", "gpu", "cpu_offload"):
+            p.append(f"checkpointing {self.checkpointing!r} is not none, gpu or cpu_offload")
+        if self.zero_stage not in (2, 3):
+            p.append(f"zero_stage {self.zero_stage} is not 2 or 3")
+        if self.offload_param and self.zero_stage != 3:
+            p.append("offload_param needs zero_stage 3")
+        if self.host_grad_buffer not in ("full", "shared"):
+            p.append(f"host_grad_buffer {self.host_grad_buffer!r} is not full or shared")
+        elif self.host_grad_buffer == "shared" and why_not(
+                self.zero_stage, self.offload_optimizer, self.grad_accum, self.precision):
+            p.append("host_grad_buffer shared needs zero_stage 3, offload_optimizer, grad_accum 1 "
+                     "and not fp16")
+        return p
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    where: str                       # "gpu" (per rank) or "host" (per node)
+    bytes: int
+    phases: tuple[str, ...]          # GPU: the PHASES it is alive in; host: HOST_PHASES
+    formula: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    setup: Setup
+    items: tuple[Item, ...]
+    gpu_phases: dict                 # phase -> bytes
+    gpu_peak_phase: str
+    gpu_allocated: int               # predicts torch.cuda.max_memory_allocated()
+    gpu_reserved: int                # x reserved_factor(): predicts max_memory_reserved()
+    gpu_nvml: int                    # + CUDA_CONTEXT_BYTES: predicts NVML device used
+    host_rss: int                    # predicts process-tree RSS peak of one node
+    host_moments: dict               # HOST_PHASES moment -> bytes
+    host_peak_moment: str            # the moment host_rss is taken at
+
+    def gpu_items(self) -> list[Item]:
+        return [i for i in self.items if i.where == "gpu"]
+
+    def host_items(self) -> list[Item]:
+        return [i for i in self.items if i.where == "host"]
+
+
+@dataclass(frozen=True)
+class Fit:
+    gpu_ok: bool | None              # None: no GPU size to compare with
+    host_ok: bool | None
+    reasons: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.gpu_ok is not False and self.host_ok is not False

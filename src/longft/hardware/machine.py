@@ -1,0 +1,41 @@
+"""What hardware is here: GPUs (name, count, compute capability, memory), host RAM and cores, and
+whether flash-attn and liger-kernel are installed. Tests pass a fake `Hardware` instead."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # "cuda" or "cpu"
+    gpu_name: str | None = None
+    gpu_count: int = 0
+    capability: tuple[int, int] | None = None
+    gpu_mem_gib: float | None = None
+    host_mem_gib: float = 0.0
+    cpu_count: int = 1
+    flash_attn: bool = False
+    liger: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def detect() -> Hardware:
+    """Look at the real machine (no CUDA context is kept if there is no GPU)."""
+    import psutil
+    import torch
+
+    host = psutil.virtual_memory().total / 2**30
+    common = dict(host_mem_gib=round(host, 1), cpu_count=os.cpu_count() or 1,
+                  flash_attn=importlib.util.find_spec("flash_attn") is not None,
+                  liger=importlib.util.find_spec("liger_kernel") is not None)
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        p = torch.cuda.get_device_properties(0)
+        return Hardware(device="cuda", gpu_name=p.name, gpu_count=torch.cuda.device_count(),
+                        capability=(p.major, p.minor), gpu_mem_gib=round(p.total_memory / 2**30, 1),
+                        **common)
+    return Hardware(device="cpu", **common)

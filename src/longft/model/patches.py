@@ -1,0 +1,136 @@
+"""Apply the resolved kernels and checkpointing to a model instance, and record what changed.
+
+The patch stage runs `apply()` on a meta-device copy of the model (no memory) to write the record
+into artifacts/plan.json; the train stage runs the same function on the real model and checks that
+the same modules were replaced.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from types import MethodType
+
+from longft.model import attention
+from longft.model.tiled_mlp import decoder_layers, skips_recompute
+from longft.model.tiled_mlp import tile_mlps as tiled_mlps
+
+
+def _replaced_modules(model) -> dict[str, int]:
+    """Modules whose forward now comes from somewhere else, counted by 'Original->New' name."""
+    seen: Counter = Counter()
+    for _, m in model.named_modules():
+        new = m._get_name()
+        old = type(m).__name__
+        if new != old:
+            seen[f"{old}->{new}"] += 1
+    return dict(sorted(seen.items()))
+
+
+def _forward_owner(model) -> str:
+    fwd = model.forward
+    func = fwd.__func__ if isinstance(fwd, MethodType) else fwd
+    return f"{func.__module__}.{func.__qualname__}"
+
+
+def apply_liger(model) -> None:
+    """Liger RMSNorm, RoPE, SwiGLU and fused linear cross-entropy on this instance."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                    cross_entropy=False, fused_linear_cross_entropy=True)
+
+
+def rope_function(model) -> str:
+    mod = importlib.import_module(type(model).__module__)
+    fn = getattr(mod, "apply_rotary_pos_emb", None)
+    return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else "n/a"
+
+
+def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
+          tiled_mlp: bool = False, tile_tokens: int = 8192, keep_attention: int = 0) -> dict:
+    """Patch `model` in place; return the record of what was actually replaced."""
+    if liger:
+        apply_liger(model)
+    # after Liger: tiles run Liger's SwiGLU MLP; checkpointing here is always non-reentrant
+    skip = skips_recompute(checkpointing, getattr(model.config, "model_type", None))
+    tiled = tiled_mlps(model, tile_tokens, skip_recompute=skip) if tiled_mlp else 0
+    if sdpa_backend == "efficient":
+        attention.expand_kv_heads()
+    model.config.use_cache = False
+    if checkpointing in ("gpu", "cpu_offload"):
+        # Non-reentrant: works with transformers 5 layers that return tensors, and with ZeRO-3.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kept = _keep_attention(model, checkpointing, keep_attention, sdpa_backend)
+    return {
+        "liger": liger,
+        "replaced_modules": _replaced_modules(model),
+        "forward": _forward_owner(model),
+        "rotary": rope_function(model),
+        "loss": "liger_fused_linear_cross_entropy" if liger else "transformers_cross_entropy",
+        "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        "sdpa_kernels": attention.priority(sdpa_backend) if sdpa_backend != "default" else "default",
+        "gqa": "repeat_kv" if sdpa_backend == "efficient" else "enable_gqa",
+        "tiled_mlp_layers": tiled,
+        "attention_kept_layers": kept,
+    }
+
+
+def _keep_attention(model, checkpointing: str, n: int, sdpa_backend: str = "default") -> int:
+    """checkpointing.keep_attention (keep_attention.py), with its preconditions checked."""
+    if n <= 0:
+        return 0
+    layers = decoder_layers(model)
+    impl = getattr(model.config, "_attn_implementation", None)
+    if checkpointing not in ("gpu", "cpu_offload"):
+        raise ValueError(f"checkpointing.keep_attention is {n} but checkpointing is {checkpointing}:"
+                         " nothing is recomputed; set it to 0 or checkpoint (gpu or cpu_offload)")
+    if n > len(layers):
+        raise ValueError(f"checkpointing.keep_attention is {n} but the model has {len(layers)} "
+                         f"decoder layers; use at most {len(layers)}")
+    if not attention.fused_kernel(impl, sdpa_backend):
+        what = "sdpa_backend math" if impl == "sdpa" else impl
+        raise ValueError(f"checkpointing.keep_attention needs a fused attention kernel (kernels."
+                         f"attention sdpa with sdpa_backend other than math, or flash_attention_2) "
+                         f"whose outputs can be kept, not {what}; set it to 0 or change the kernel")
+    from longft.model.keep_attention import flash_attn_ops, keep_outputs
+
+    if getattr(model.config, "attention_dropout", 0.0):
+        raise ValueError(f"checkpointing.keep_attention needs attention_dropout 0 (the model's is "
+                         f"{model.config.attention_dropout}): a skipped kernel would not advance the "
+                         "random state, and the recompute's later dropout masks would differ; set "
+                         "it to 0 or set attention_dropout 0 in the model config")
+    if impl == "flash_attention_2" and not flash_attn_ops():
+        raise ValueError("checkpointing.keep_attention with flash_attention_2 needs flash-attn 2.7 "
+                         "or later (its kernels as torch ops); upgrade flash-attn, use kernels."
+                         "attention sdpa, or set it to 0")
+    return keep_outputs(layers, n)
+
+
+def offload_checkpoints(model, gpu_layers: int = 0):
+    """For checkpointing cpu_offload: route the decoder layers' checkpoints through pinned host
+    memory (all but the last `gpu_layers`); returns the `offload.CheckpointOffload` to step."""
+    from longft.model.checkpoint_offload import CheckpointOffload
+
+    layers = decoder_layers(model)
+    if gpu_layers > len(layers):
+        raise ValueError(f"checkpointing.gpu_layers is {gpu_layers} but the model has "
+                         f"{len(layers)} decoder layers; use at most {len(layers)}")
+    return CheckpointOffload(layers, gpu_layers)
+
+
+def zero3_gather_lm_head(model) -> bool:
+    """Let the fused loss see lm_head's weight under ZeRO-3.
+
+    Liger's fused linear cross-entropy reads `lm_head.weight` inside the model's forward without
+    calling lm_head's own forward, so ZeRO-3 never gathers it (a zero-element weight, a crash).
+    Registering it as an external parameter of the top module makes ZeRO-3 gather it for the whole
+    forward and backward of that module.
+    """
+    import deepspeed
+
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head.weight, "ds_id"):
+        return False
+    deepspeed.zero.register_external_parameter(model, head.weight)
+    return True

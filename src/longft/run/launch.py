@@ -1,0 +1,150 @@
+"""Start the training ranks through DeepSpeed's own launcher (or torchrun), never a home-made one.
+
+`command()` is a pure function of the config (tested on CPU); `run()` starts it with a host-memory
+sampler watching the whole process tree (launcher and every rank). The launcher runs in a session of
+its own; `run()` passes SIGINT/SIGTERM on to the ranks (a graceful stop, stop.py) and a guard process
+kills the launcher's group if this process dies first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from longft.atomic import write_json
+from longft.config.params import Config
+from longft.engine.stop import Relay, exit_code
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def command(cfg: Config, device: str, worker_args: list[str], port: int | None = None) -> list[str]:
+    """The launcher command line; `port` overrides hardware.master_port (e.g. when it is taken)."""
+    h = cfg.hardware
+    port = h.master_port if port is None else port
+    if h.launcher == "torchrun":
+        if h.num_nodes > 1:
+            raise LaunchError("hardware.launcher: torchrun here runs one node; use the deepspeed "
+                              "launcher with hardware.hostfile for several nodes")
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(h.num_gpus),
+                "--master_port", str(port), "-m", "longft.engine.worker", *worker_args]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if h.hostfile:
+        cmd += ["--hostfile", h.hostfile, "--num_nodes", str(h.num_nodes)]
+    else:
+        # Without a hostfile the launcher runs on localhost only.
+        cmd += ["--num_nodes", "1"]
+    if device == "cuda" or h.hostfile or h.num_gpus > 1:
+        # On CPU the launcher's own slot count is the number of NUMA nodes (often 1): several CPU
+        # workers must be asked for, or it starts one and the worker refuses the world size.
+        cmd += ["--num_gpus", str(h.num_gpus)]
+    cmd += ["--master_port", str(port), "--no_local_rank", "--module", "longft.engine.worker",
+            *worker_args]
+    return cmd
+
+
+def environment(device: str, base: dict | None = None, expandable_segments: bool = False) -> dict:
+    """The ranks' environment: the accelerator pinned, a DeepSpeed-parsable arch list and (if asked,
+    unless the user set their own) torch's expandable-segments CUDA allocator."""
+    env = dict(os.environ if base is None else base)
+    env["DS_ACCELERATOR"] = "cuda" if device == "cuda" else "cpu"
+    arch = env.get("TORCH_CUDA_ARCH_LIST")
+    if arch:
+        # DeepSpeed's op builder int()-parses each entry; '9.0a' (set by some CUDA images) breaks it.
+        env["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch)
+    if device == "cuda" and expandable_segments:
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # One JIT-build folder per Python environment: two venvs sharing ~/.cache/torch_extensions
+    # keep rebuilding each other's DeepSpeed ops (their build files differ), and a build killed
+    # half-way leaves a lock that makes every later run wait forever.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(
+        Path.home() / ".cache" / "longft" / "torch_extensions"
+        / hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def drop_shm_buffers(port: int, shm: Path = Path("/dev/shm")) -> None:
+    """Remove DeepSpeed's CPU all-reduce buffers of runs on `port` (a killed run leaves them)."""
+    for f in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        f.unlink(missing_ok=True)
+
+
+def run(cmd: list[str], env: dict, run_dir: Path, port: int | None = None) -> int:
+    """Run the launcher with the host-memory sampler; return its exit code."""
+    from longft.measure.monitor import HostSampler
+
+    if port is not None:
+        drop_shm_buffers(port)
+
+    if cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and shutil.which("ninja") is None:
+        print("longft: note: ninja not on PATH; DeepSpeed may fail to JIT-compile its CPU Adam op",
+              file=sys.stderr)
+    sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv")
+    sampler.start()
+    follow_parent()
+    try:
+        # A session of its own: a terminal's Ctrl-C reaches the ranks once, through the Relay, and
+        # never DeepSpeed's launch.py (which would SIGKILL them 30 s later). See stop.py.
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        guard, pipe = _guard(proc.pid)
+        with Relay(proc) as relay:
+            code = proc.wait()
+        os.write(pipe, b"done")  # the launcher ended by itself: the guard leaves its group alone
+        os.close(pipe)
+        guard.wait()
+    finally:
+        write_json(run_dir / "monitor.json", sampler.stop())
+        if port is not None:
+            drop_shm_buffers(port)
+    if relay.signum and code != 0:
+        return exit_code(relay.signum)  # 130 / 143 whatever the launcher makes of the ranks' exit
+    return code
+
+
+def _guard(pgid: int) -> tuple[subprocess.Popen, int]:
+    """Start a watcher, outside this process group, that SIGKILLs process group `pgid` when this
+    process dies without saying "done" first (even by SIGKILL): `kill -9 -<pgid of the stage>`
+    still takes the launcher and every rank with it. Returns it and the pipe's write end."""
+    r, w = os.pipe()
+    code = ("import os,sys\nif not sys.stdin.buffer.read():\n try: os.killpg(%d, 9)\n"
+            " except OSError: pass\n" % pgid)
+    guard = subprocess.Popen([sys.executable, "-S", "-c", code], stdin=r, start_new_session=True)
+    os.close(r)
+    return guard, w
+
+
+def follow_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: get `sig` when the parent process dies (e.g. `kill` of `dvc repro`, which does not
+    pass SIGTERM on to its stage), so the ranks stop gracefully instead of running on orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def free_port(preferred: int) -> int:
+    """`preferred` if nothing listens on it here, else a free port the OS picks."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            pass
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,87 @@
+"""The patch stage's work: resolve params against the hardware, patch a meta-device model to record
+what gets replaced, and produce artifacts/plan.json and artifacts/ds_config.json.
+"""
+
+from __future__ import annotations
+
+from longft.engine import ds_config
+from longft import hardware
+from longft.model import patches as patch
+from longft.config.params import Config, to_dict
+from longft.estimate.estimator import estimate_for_plan
+from longft.model.loading import load_model_config
+
+ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+             "tie_word_embeddings", "max_position_embeddings")
+
+
+def architecture(model_config) -> dict:
+    arch = {k: getattr(model_config, k, None) for k in ARCH_KEYS}
+    if arch["head_dim"] is None:
+        arch["head_dim"] = arch["hidden_size"] // arch["num_attention_heads"]
+    if arch["num_key_value_heads"] is None:
+        arch["num_key_value_heads"] = arch["num_attention_heads"]
+    return arch
+
+
+def meta_model(model_config, attention: str):
+    """The model on the meta device: shapes and modules, no memory, no weights read."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config, attn_implementation=attention)
+
+
+def model_state_bytes(n_params: int, n_trainable: int, precision: str) -> dict:
+    """Bytes of weights, gradients and Adam states (mixed precision: fp32 master + 2 moments)."""
+    w = 4 if precision == "fp32" else 2
+    master = 0 if precision == "fp32" else 4
+    return {"weights": n_params * w, "gradients": n_trainable * w,
+            "optimizer": n_trainable * (master + 8)}
+
+
+def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
+    """Return (plan, ds_config) for cfg on hw; raises PlanError/ModelError on impossible requests."""
+    mc = load_model_config(cfg.model)
+    choices = hardware.resolve(cfg, hw, mc.model_type)
+    precision = choices["precision"].value
+    model = meta_model(mc, choices["attention"].value)
+    try:
+        record = patch.apply(model, choices["liger"].value, choices["checkpointing"].value,
+                             choices["sdpa_backend"].value, choices["tiled_mlp"].value,
+                             cfg.kernels.tiled_mlp_tokens, cfg.checkpointing.keep_attention)
+    except ValueError as e:  # a knob this model or mode cannot take (patch checks it)
+        raise hardware.PlanError([str(e)]) from None
+    n_params = sum(p.numel() for p in model.parameters())
+    arch = architecture(mc)
+    if cfg.lora.rank > 0:
+        targets = [m for n, m in model.named_modules()
+                   if n.split(".")[-1] in cfg.lora.target_modules and hasattr(m, "in_features")]
+        if not targets:
+            raise hardware.PlanError([f"lora.target_modules: none of {list(cfg.lora.target_modules)} is a "
+                             f"linear layer of {mc.model_type}"])
+        n_trainable = sum(cfg.lora.rank * (m.in_features + m.out_features) for m in targets)
+    else:
+        n_trainable = n_params
+    states = model_state_bytes(n_params, n_trainable, precision)
+    ds = ds_config.build(cfg, precision, arch["hidden_size"])
+    plan = {
+        "config": to_dict(cfg),
+        "hardware": hw.to_dict(),
+        "resolved": {k: {"value": c.value, "reason": c.reason} for k, c in choices.items()},
+        "model_config": arch,
+        "model": {"name": cfg.model.name, "source": cfg.model.source, "n_params": n_params,
+                  "n_trainable": n_trainable},
+        "patches": record,
+        "batch": {"world_size": cfg.world_size, "micro_batch_size": cfg.train.micro_batch_size,
+                  "global_batch_size": cfg.train.global_batch_size,
+                  "grad_accum_steps": cfg.grad_accum_steps, "seq_len": cfg.data.max_seq_length,
+                  "tokens_per_step": cfg.tokens_per_step},
+        "memory_estimate": {"model_states_bytes": states,
+                            "estimate": estimate_for_plan(cfg, arch, choices, cfg.world_size),
+                            "note": "itemised peak VRAM per rank and DRAM per node; "
+                                    "formulas in docs/estimator.md"},
+    }
+    return plan, ds

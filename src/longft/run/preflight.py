@@ -1,0 +1,74 @@
+"""Checks the train stage makes before it starts any rank: nothing is allocated yet, and a refusal
+deletes nothing (data/prepared, runs/train, checkpoints and export/ stay as they are).
+
+host_memory(): the patch stage's estimate (artifacts/plan.json, `memory_estimate.estimate.host`)
+predicts the peak host memory of this node's process tree (launcher and its ranks: CPU Adam
+states, pinned offload buffers, offloaded activation checkpoints, ...). If that prediction exceeds
+the RAM available right now (psutil's `available`: free plus reclaimable page cache), the run would
+be killed by the OOM killer minutes later, after the model was built and the buffers pinned; it is
+refused instead, with the numbers and the fixes. `hardware.host_mem_check: false` turns it off.
+"""
+
+from __future__ import annotations
+
+from longft.config.params import Config
+from longft.estimate.types import GIB
+from longft.run.launch import LaunchError
+
+
+
+class HostMemoryError(LaunchError):
+    """The planned run needs more host RAM than this machine has available."""
+
+
+def _predicted(plan: dict) -> tuple[int, list[dict]] | None:
+    host = plan.get("memory_estimate", {}).get("estimate", {}).get("host")
+    if not isinstance(host, dict) or not isinstance(host.get("rss_bytes"), (int, float)):
+        return None
+    return int(host["rss_bytes"]), list(host.get("items", []))
+
+
+def host_memory(cfg: Config, plan: dict, available: int | None = None) -> str | None:
+    """Raise HostMemoryError when the predicted peak host RAM exceeds what is available now.
+
+    Returns a one-line note of the comparison (None when the check is off or the plan has no
+    estimate). `available` (bytes) defaults to psutil.virtual_memory().available.
+    """
+    if not cfg.hardware.host_mem_check:
+        return None
+    pred = _predicted(plan)
+    if pred is None:
+        return "host RAM check skipped: artifacts/plan.json has no host estimate (re-run the patch stage)"
+    need, items = pred
+    if available is None:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        available, total = int(vm.available), int(vm.total)
+    else:
+        total = None
+    if need <= available:
+        return (f"host RAM: predicted peak {need / GIB:.2f} GiB (plan.json), "
+                f"{available / GIB:.2f} GiB available")
+    resolved = plan.get("resolved", {})
+    ckpt = resolved.get("checkpointing", {}).get("value", cfg.checkpointing.mode)
+    top = sorted((i for i in items if i.get("bytes")), key=lambda i: -i["bytes"])[:3]
+    biggest = "; ".join(f"{i['name']} {i['bytes'] / GIB:.2f} GiB" for i in top)
+    fixes = [f"lower data.max_seq_length ({cfg.data.max_seq_length}) or train.micro_batch_size "
+             f"({cfg.train.micro_batch_size})"]
+    if ckpt == "cpu_offload":
+        fixes.append("use checkpointing.mode: gpu instead of cpu_offload (activation checkpoints "
+                     "stay in GPU memory)")
+    if cfg.zero.offload_param == "cpu":
+        fixes.append("set zero.offload_param: none (parameters stay in GPU memory)")
+    if cfg.zero.offload_optimizer == "cpu" and resolved.get("device", {}).get("value") == "cuda":
+        fixes.append("set zero.offload_optimizer: none if the GPUs have room for the optimizer states")
+    fixes.append("free host memory (close other jobs) or use a machine with more RAM")
+    of_total = f" (of {total / GIB:.1f} GiB total)" if total else ""
+    raise HostMemoryError(
+        f"not enough host RAM for this run: the estimate predicts a peak of {need / GIB:.2f} GiB "
+        f"(process-tree RSS of this node, artifacts/plan.json) but only {available / GIB:.2f} GiB "
+        f"is available{of_total}. Largest items: {biggest or 'n/a'}. No rank was started and "
+        "nothing was deleted. To fit: " + "; ".join(fixes) + ". `longft estimate` itemises the "
+        "prediction; if it is wrong for this machine, set hardware.host_mem_check: false to start "
+        "anyway.")

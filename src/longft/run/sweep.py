@@ -1,0 +1,244 @@
+"""`longft sweep`: queue a grid of runs as DVC experiments, one `dvc exp run --queue -S ...`
+per row.
+
+    longft sweep bench/grids/reference.yaml --dry-run       # print the dvc commands only
+    longft sweep bench/grids/reference.yaml                 # queue every row
+    longft sweep bench/grids/reference.yaml --run           # queue, then `dvc queue start --jobs 1`
+    longft sweep bench/grids/reference.yaml --only '8b-*'   # the rows whose name matches
+    longft sweep GRID.yaml --overlays bench/configs/grid    # scripts/bench.py overlays (no DVC)
+
+A grid file is a YAML list of rows. Each row maps dotted param keys (`zero.offload_param`) to
+values, plus an optional `name` for the experiment; YAML anchors and `<<:` merge keys share common
+values between rows. Every row is merged onto ./params.yaml and validated with the same checks as
+the pipeline *before* anything is queued; all problems of all rows are reported together.
+Queued runs start one at a time (`--jobs 1`): each run takes the whole GPU box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from longft.atomic import write_text
+from longft.config.params import ConfigError, from_dict, merge
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""Experiment names that are valid git ref components and need no shell quoting."""
+_BARE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+_HYDRA_WORDS = {"true", "false", "null", "nan", "inf"}
+START = ["queue", "start", "--jobs", "1"]
+"""One run at a time: each takes the whole GPU box."""
+
+
+class SweepError(ValueError):
+    """Problems in a grid file; the message lists every one."""
+
+    def __init__(self, problems: list[str], source: str):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{len(problems)} problem(s) in {source}:\n{lines}")
+
+
+@dataclass(frozen=True)
+class GridRow:
+    name: Optional[str]
+    overrides: dict[str, Any]
+    """Dotted param key -> value, in file order."""
+    number: int = 1
+    """Position in the grid file, from 1."""
+
+    @property
+    def label(self) -> str:
+        return f"row {self.number}" + (f" ({self.name})" if self.name else "")
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}", out)
+    else:
+        out[prefix] = value
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+    """{"zero.stage": 3} -> {"zero": {"stage": 3}} (a params overlay)."""
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def parse_grid(raw: Any) -> tuple[list[GridRow], list[str]]:
+    """Rows of a loaded grid file, and the problems with its shape (not with the params)."""
+    if not isinstance(raw, list) or not raw:
+        return [], ["expected a non-empty YAML list of rows (mappings of dotted param keys)"]
+    rows, problems, names = [], [], set()
+    for i, item in enumerate(raw):
+        where = f"row {i + 1}"
+        if not isinstance(item, dict):
+            problems.append(f"{where}: expected a mapping of dotted param keys, got {item!r}")
+            continue
+        item = dict(item)
+        name = item.pop("name", None)
+        if name is not None:
+            if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+                problems.append(f"{where}: name {name!r} must match {NAME_RE.pattern}")
+                name = None
+            elif name in names:
+                problems.append(f"{where}: name {name!r} is used by an earlier row")
+            else:
+                names.add(name)
+        flat: dict[str, Any] = {}
+        for key, value in item.items():
+            if not isinstance(key, str) or not all(key.split(".")):
+                problems.append(f"{where}: {key!r} is not a dotted param key")
+                continue
+            _flatten(value, key, flat)
+        if not flat:
+            problems.append(f"{where}: no params to set")
+        clash = [k for k in flat if any(other.startswith(k + ".") for other in flat)]
+        for key in clash:  # "zero: 3" and "zero.stage: 2" in one row cannot both apply
+            problems.append(f"{where}: {key} is set both as a value and as a section")
+        if not clash:
+            rows.append(GridRow(name, flat, i + 1))
+    return rows, problems
+
+
+def validate(rows: list[GridRow], base: dict) -> list[str]:
+    """Every problem of every row merged onto the base params, each prefixed with its row."""
+    problems = []
+    for row in rows:
+        try:
+            from_dict(merge(base, _nest(row.overrides)))
+        except ConfigError as e:
+            problems += [f"{row.label}: {p}" for p in e.problems]
+    return problems
+
+
+def load(grid_path: Path, base_path: Path = Path("params.yaml"),
+         only: tuple[str, ...] = ()) -> list[GridRow]:
+    """Read, select (`only`: name globs) and validate a grid; raise SweepError listing all
+    problems."""
+    try:
+        raw = yaml.safe_load(Path(grid_path).read_text())
+        base = yaml.safe_load(Path(base_path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        hint = "" if Path(base_path).is_file() else f" (run from the folder with {base_path})"
+        raise SweepError([f"{e}{hint}"], str(grid_path)) from None
+    rows, problems = parse_grid(raw)
+    if only:
+        rows = [r for r in rows if r.name and any(fnmatch.fnmatchcase(r.name, p) for p in only)]
+        if not rows and not problems:
+            problems.append(f"no row name matches {' or '.join(only)}")
+    problems += validate(rows, base)
+    if problems:
+        raise SweepError(problems, str(grid_path))
+    return rows
+
+
+def hydra_value(value: Any) -> str:
+    """A value as DVC's `-S key=value` (Hydra override grammar) reads it back unchanged."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        if _BARE_RE.fullmatch(value) and value.lower() not in _HYDRA_WORDS:
+            return value
+        # Hydra's quoted strings: \' is a quote; backslashes are literal, except a run of them
+        # right before a quote (or the closing quote), which is doubled.
+        value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+        return "'" + value.replace("'", "\\'") + "'"
+    raise TypeError(f"cannot pass {value!r} to dvc exp run -S")
+
+
+def queue_args(row: GridRow) -> list[str]:
+    """`dvc exp run --queue` arguments (after `dvc`) for one row."""
+    args = ["exp", "run", "--queue"]
+    for key, value in row.overrides.items():
+        args += ["-S", f"{key}={hydra_value(value)}"]
+    return args + (["-n", row.name] if row.name else [])
+
+
+def shell_line(args: list[str]) -> str:
+    """`dvc ...` as one would type it; every -S value in single quotes."""
+    out = ["dvc"]
+    for prev, arg in zip([""] + args, args):
+        out.append("'" + arg.replace("'", "'\\''") + "'" if prev == "-S" else arg)
+    return " ".join(out)
+
+
+def write_overlays(rows: list[GridRow], out_dir: Path, note: str) -> list[Path]:
+    """One scripts/bench.py overlay (nested params) per row: out_dir/<name>.yaml."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for row in rows:
+        path = out_dir / f"{row.name or f'row{row.number}'}.yaml"
+        doc = {"bench_note": f"{note} {row.label}", **_nest(row.overrides)}
+        write_text(path, yaml.safe_dump(doc, sort_keys=False))
+        paths.append(path)
+    return paths
+
+
+# -- command line ------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("grid", type=Path, help="YAML list of rows (dotted param keys, optional name)")
+    p.add_argument("--only", nargs="+", default=(), metavar="GLOB",
+                   help="only the rows whose name matches one of these globs")
+    p.add_argument("--dry-run", action="store_true", help="print the dvc commands, run none")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--run", action="store_true",
+                      help="after queuing, start the queue: dvc queue start --jobs 1")
+    what.add_argument("--overlays", metavar="DIR", type=Path,
+                      help="write scripts/bench.py overlays (DIR/NAME.yaml) instead of queuing")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        rows = load(args.grid, Path("params.yaml"), tuple(args.only))
+    except SweepError as e:
+        print(f"longft sweep: {e}\nNothing was queued.", file=sys.stderr)
+        return 2
+    if args.overlays:
+        for path in write_overlays(rows, args.overlays, f"{args.grid}"):
+            print(path)
+        return 0
+    commands = [queue_args(row) for row in rows]
+    commands += [START] if args.run else []
+    if args.dry_run:
+        for cmd in commands:
+            print(shell_line(cmd))
+        return 0
+    for i, cmd in enumerate(commands):
+        print(f"$ {shell_line(cmd)}", flush=True)
+        code = subprocess.run([sys.executable, "-m", "dvc", *cmd]).returncode
+        if code:
+            print(f"longft sweep: `{shell_line(cmd)}` exited {code}; {min(i, len(rows))} row(s)"
+                  " before it are queued (`dvc queue status`, `dvc queue remove NAME`)",
+                  file=sys.stderr)
+            return 1
+    if args.run:
+        print(f"longft sweep: {len(rows)} experiment(s) running one at a time; follow with "
+              "`dvc queue status` and `dvc queue logs NAME`, then `longft report`")
+    else:
+        print(f"longft sweep: {len(rows)} experiment(s) queued; start them with "
+              "`dvc queue start --jobs 1`")
+    return 0
