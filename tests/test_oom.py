@@ -21,7 +21,7 @@ OVERLAY = {"data": {"num_samples": 4, "max_seq_length": 1024},
 # CUDA allocation does (torch.OutOfMemoryError from inside the step).
 DRIVER = """
 import sys, torch
-from longft import trainer
+from longft.engine import trainer
 real, calls = trainer._step, []
 def step(*a, **k):
     calls.append(1)
