@@ -1,0 +1,146 @@
+"""Per-document attention for packed rows (model/packed_attention.py): the same losses and
+gradients as the documents run one at a time, no leakage across documents, and no [seq x seq]
+mask built for it or for flash_attention_2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from longft.model import packed_attention as pa
+
+REPO = Path(__file__).resolve().parents[1]
+LENS = [[5, 9, 2], [16]]  # row 0: three documents; row 1: one
+S = 16
+
+
+def tiny(attn="sdpa", kv_heads=2):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    arch = json.loads((REPO / "configs/models/tiny-llama.json").read_text())
+    arch = {k: v for k, v in arch.items() if k != "architectures"}
+    arch.update(num_key_value_heads=kv_heads, use_cache=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**arch), attn_implementation=attn).float()
+
+
+def batch(vocab, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (len(LENS), S), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in LENS])
+    return ids, pos
+
+
+def per_document_reference(model, ids):
+    """Logits of every document run alone, in place."""
+    rows = []
+    for r, row in enumerate(LENS):
+        start, pieces = 0, []
+        for n in row:
+            pieces.append(model(input_ids=ids[r:r + 1, start:start + n]).logits)
+            start += n
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows)
+
+
+def test_boundaries_and_batch_kwargs():
+    _, pos = batch(100)
+    cu, longest = pa.boundaries(pos)
+    assert cu.tolist() == [0, 5, 14, 16, 32] and cu.dtype == torch.int32 and longest == 16
+    assert pa.document_lengths(pos) == [5, 9, 2, 16]
+    kw = pa.batch_kwargs(pos)
+    assert kw["cu_seq_lens_q"].tolist() == [0, 5, 14, 16, 32] and kw["max_length_q"] == 16
+    single = torch.arange(S).repeat(2, 1)
+    assert pa.batch_kwargs(single) == {}  # one document a row: the single-sequence kernel
+
+
+@pytest.mark.parametrize("kernel", pa.KERNELS)
+def test_packed_loss_and_gradients_equal_the_documents_run_alone(kernel):
+    """fp32 on CPU: the packed micro-batch's logits equal each document's alone; the summed
+    loss's gradients equal those of the documents' losses summed. (`varlen` falls back to the
+    per-document path off CUDA; the GPU suite runs the kernel itself.)"""
+    ref_model, model = tiny(), tiny()
+    ids, pos = batch(model.config.vocab_size)
+    pa.install(model, kernel)
+    assert model.config._attn_implementation == pa.NAME
+    ref = per_document_reference(ref_model, ids)
+    out = model(input_ids=ids, position_ids=pos, **pa.batch_kwargs(pos)).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.float().square().mean().backward()
+    ref.float().square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_changing_one_document_leaves_the_others_unchanged():
+    model = tiny()
+    pa.install(model, "per_document")
+    ids, pos = batch(model.config.vocab_size)
+    base = model(input_ids=ids, position_ids=pos, **pa.batch_kwargs(pos)).logits
+    changed = ids.clone()
+    changed[0, 5:14] = (changed[0, 5:14] + 7) % (model.config.vocab_size - 1) + 1  # document 2
+    out = model(input_ids=changed, position_ids=pos, **pa.batch_kwargs(pos)).logits
+    torch.testing.assert_close(out[0, :5], base[0, :5], rtol=0, atol=0)    # before it
+    torch.testing.assert_close(out[0, 14:], base[0, 14:], rtol=0, atol=0)  # after it
+    torch.testing.assert_close(out[1], base[1], rtol=0, atol=0)            # the other row
+    assert not torch.allclose(out[0, 5:14], base[0, 5:14])
+
+
+@pytest.mark.parametrize("implementation", [pa.NAME, "flash_attention_2"])
+def test_no_mask_is_built_for_packed_rows(implementation, monkeypatch):
+    """transformers builds no mask for longft's attention (no mask function is registered for it)
+    nor for flash_attention_2, which reads the same boundaries: create_causal_mask returns None
+    and none of its mask builders runs."""
+    from transformers import masking_utils
+
+    model = tiny()
+    pa.install(model, "per_document")
+    model.config._attn_implementation = implementation
+    built = []
+    for name in ("sdpa_mask", "eager_mask", "flex_attention_mask"):
+        real = getattr(masking_utils, name)
+        monkeypatch.setattr(masking_utils, name, lambda *a, _real=real, **k: built.append(1) or _real(*a, **k))
+    ids, pos = batch(model.config.vocab_size)
+    emb = model.model.embed_tokens(ids)
+    mask = masking_utils.create_causal_mask(config=model.config, inputs_embeds=emb,
+                                            attention_mask=None, cache=None, position_ids=pos)
+    assert mask is None and not built
+    # the plain sdpa path would have built the [seq x seq] block mask: the spy can see it
+    model.config._attn_implementation = "sdpa"
+    mask = masking_utils.create_causal_mask(config=model.config, inputs_embeds=emb,
+                                            attention_mask=None, cache=None, position_ids=pos)
+    assert mask is not None and mask.shape[-2:] == (S, S)
+
+
+def test_refuses_an_explicit_mask():
+    model = tiny()
+    fwd = pa.make_forward("per_document")
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(RuntimeError, match="explicit attention mask"):
+        fwd(model.model.layers[0].self_attn, q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="one of"):
+        pa.make_forward("dense")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", pa.KERNELS)
+def test_packed_attention_on_cuda_matches_the_documents_alone(kernel):
+    """bf16 on the GPU, each kernel (varlen: torch's varlen_attn): packed logits within bf16
+    tolerance of each document run alone, and gradients close."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if kernel == "varlen" and not pa.varlen_available():
+        pytest.skip("this torch has no varlen_attn")
+    ref_model, model = tiny().cuda().bfloat16(), tiny().cuda().bfloat16()
+    pa.install(model, kernel)
+    ids, pos = (t.cuda() for t in batch(model.config.vocab_size))
+    ref = per_document_reference(ref_model, ids)
+    out = model(input_ids=ids, position_ids=pos, **pa.batch_kwargs(pos)).logits
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    out.float().square().mean().backward()
+    ref.float().square().mean().backward()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=5e-2, atol=5e-3)
