@@ -1,9 +1,9 @@
-"""Run benchmark rows: each overlay YAML is merged onto params.yaml and run through the same four
-stages as `dvc repro` (prepare -> patch -> train -> metrics), in its own work folder; the result
-goes to bench/results/<name>.json with the full params, the commit and the raw metrics.
+"""Run benchmark rows: each overlay YAML is merged onto params.yaml (or --base) and run through the
+same four stages as `dvc repro` (prepare -> patch -> train -> metrics), in its own work folder; the
+result goes to bench/results/<name>.json with the full params, the commit and the raw metrics.
 
     python scripts/bench.py bench/configs/h200-1b-16k-gpu.yaml [more.yaml ...] \
-        [--commit SHA] [--work /tmp/longft-bench] [--results bench/results]
+        [--commit SHA] [--work /tmp/longft-bench] [--results bench/results] [--base params.yaml]
 
 Use this where DVC is not installed (the GPU machine); elsewhere the same rows run as
 `dvc exp run -S ...` experiments.
@@ -26,16 +26,16 @@ from longft.config.params import ConfigError, merge  # noqa: E402
 from longft.run.pipeline import run_params  # noqa: E402
 
 
-def overlay_params(overlay_path: Path) -> tuple[dict, dict, str]:
-    """(params.yaml with the overlay merged on, the overlay, its bench_note)."""
+def overlay_params(overlay_path: Path, base: Path) -> tuple[dict, dict, str]:
+    """(the base params with the overlay merged on, the overlay, its bench_note)."""
     overlay = yaml.safe_load(overlay_path.read_text()) or {}
     note = overlay.pop("bench_note", "")
-    return merge(yaml.safe_load((REPO / "params.yaml").read_text()), overlay), overlay, note
+    return merge(yaml.safe_load(base.read_text()) or {}, overlay), overlay, note
 
 
-def run_row(overlay_path: Path, work_root: Path, results: Path, commit: str) -> dict:
+def run_row(overlay_path: Path, base: Path, work_root: Path, results: Path, commit: str) -> dict:
     name = overlay_path.stem
-    params, overlay, note = overlay_params(overlay_path)
+    params, overlay, note = overlay_params(overlay_path, base)
     out = {"name": name, "note": note, "commit": commit, "overlay": overlay, "params": params,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"[bench] {name}: {note}", flush=True)
@@ -64,19 +64,21 @@ def main() -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--work", type=Path, default=Path("/tmp/longft-bench"))
     ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--base", type=Path, default=REPO / "params.yaml",
+                    help="the params every overlay is merged onto (default: the repository's)")
     ap.add_argument("--write-params", type=Path, metavar="DIR",
-                    help="only write each overlay merged onto params.yaml to DIR/<name>.yaml")
+                    help="only write each overlay merged onto the base params to DIR/<name>.yaml")
     a = ap.parse_args()
     if a.write_params:
         a.write_params.mkdir(parents=True, exist_ok=True)
         for o in a.overlays:
             write_text(a.write_params / f"{o.stem}.yaml",
-                       yaml.safe_dump(overlay_params(o)[0], sort_keys=False))
+                       yaml.safe_dump(overlay_params(o, a.base)[0], sort_keys=False))
         return 0
     rows = []
     for o in a.overlays:
         try:
-            rows.append(run_row(o, a.work, a.results, a.commit))
+            rows.append(run_row(o, a.base, a.work, a.results, a.commit))
         except ConfigError as e:
             print(f"[bench] {o}: {e}", file=sys.stderr)
             rows.append({"name": o.stem, "status": f"bad params: {e}"})

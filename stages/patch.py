@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 from longft.atomic import write_json
-from longft.config.params import ConfigError, load
+from longft.config.params import load
+from longft.config.plan import Plan
+from longft.errors import UserError
 from longft.hardware import detect
-from longft.model.loading import ModelError
 from longft.run.patch_stage import make_plan
 
 
@@ -26,18 +27,19 @@ def main() -> int:
     try:
         cfg = load(a.params)
         hw = detect()
-        plan, ds = make_plan(cfg, hw)
-    except (ConfigError, ModelError) as e:
+        made, ds = make_plan(cfg, hw)
+    except UserError as e:
         print(f"longft patch: {e}", file=sys.stderr)
         return 2
+    plan = Plan.from_dict(made)  # the shape every reader expects, checked before it is written
     out = Path(a.out)
     write_json(out / "ds_config.json", ds)
-    write_json(out / "plan.json", plan)
+    write_json(out / "plan.json", plan.to_dict())
     print(f"patch: {hw.gpu_name or 'CPU'} x{max(hw.gpu_count, 1)}, "
-          f"{plan['model']['n_params'] / 1e6:.1f}M params")
-    for k, c in plan["resolved"].items():
-        print(f"  {k:14s} {str(c['value']):18s} {c['reason']}")
-    print(f"  replaced       {plan['patches']['replaced_modules'] or 'nothing'}")
+          f"{plan.model.n_params / 1e6:.1f}M params")
+    for k, c in plan.resolved.items():
+        print(f"  {k:14s} {str(c.value):18s} {c.reason}")
+    print(f"  replaced       {dict(plan.patches.replaced_modules) or 'nothing'}")
     return 0
 
 

@@ -20,15 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="data/prepared", help="output directory (default: data/prepared)")
     args = ap.parse_args(argv)
 
-    from longft.config.params import ConfigError, load
-    from longft.data.errors import DataError
+    from longft.config.params import load
     from longft.data.prepare import prepare
-    from longft.model.loading import ModelError
+    from longft.errors import UserError
 
     start = time.perf_counter()
     try:
         stats = prepare(load(args.params), Path(args.out))
-    except (ConfigError, DataError, ModelError) as e:
+    except UserError as e:
         print(f"prepare: {e}", file=sys.stderr)
         return 2
     skipped = sum(stats["skipped"].values())

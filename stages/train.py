@@ -22,7 +22,9 @@ from pathlib import Path
 
 from longft.engine.checkpoint import complete_steps, fingerprint
 from longft.config.params import ConfigError, load
-from longft.run.launch import LaunchError, command, environment, free_port, run
+from longft.config.plan import Plan
+from longft.errors import UserError
+from longft.run.launch import command, environment, master_port, run
 from longft.run.preflight import host_memory
 
 
@@ -56,23 +58,20 @@ def main() -> int:
     a = ap.parse_args()
     try:
         cfg = load(a.params)
-        plan = json.loads(Path(a.plan).read_text())
+        plan = Plan.read(a.plan)
         meta = json.loads((Path(a.data) / "meta.json").read_text())
         if meta["max_seq_length"] != cfg.data.max_seq_length:
             raise ConfigError([f"data.max_seq_length is {cfg.data.max_seq_length} but {a.data} was "
                                f"prepared at {meta['max_seq_length']}; run `dvc repro` (prepare)"])
-        device = plan["resolved"]["device"]["value"]
+        device = plan.resolved.device.value
         worker = ["--params", a.params, "--plan", a.plan, "--ds-config", a.ds_config,
                   "--data", a.data, "--run", a.run]
         if cfg.output.save_checkpoint or cfg.output.checkpoint_every:
             worker += ["--checkpoints", a.checkpoints]
         if cfg.output.export:
             worker += ["--export", a.export]
-        port = cfg.hardware.master_port
-        if cfg.hardware.num_nodes == 1:
-            port = free_port(port)
-            if port != cfg.hardware.master_port:
-                print(f"train: port {cfg.hardware.master_port} is in use here; using {port}")
+        port, why = master_port(cfg)  # a pinned port that is taken: LaunchError, exit 2
+        print(f"train: master port {port} ({why})")
         cmd = command(cfg, device, worker, port)
         # Before any rank starts and before anything is deleted: does the host RAM suffice?
         note = host_memory(cfg, plan)
@@ -82,7 +81,7 @@ def main() -> int:
         print(f"longft train: {e.filename} is missing; run `dvc repro` (prepare and patch first)",
               file=sys.stderr)
         return 2
-    except (ConfigError, LaunchError) as e:
+    except UserError as e:
         print(f"longft train: {e}", file=sys.stderr)
         return 2
     run_dir = Path(a.run)

@@ -1,5 +1,6 @@
-"""scripts/bench.py's overlays: every shipped overlay merges onto params.yaml into valid params, and
---write-params writes exactly that merge (scripts/gpu_suite.sh --max-context runs from it)."""
+"""scripts/bench.py's overlays: every shipped overlay merges onto the shipped params (the dataclass
+defaults, which the committed params.yaml sets) into valid params, and --write-params writes exactly
+that merge (scripts/gpu_suite.sh --max-context runs from it)."""
 
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from longft.config.params import from_dict, merge
+from longft.config.params import Config, from_dict, merge, to_dict
 from longft.run.pipeline import REPO
 
 OVERLAYS = sorted((REPO / "bench" / "configs").glob("*.yaml"))
@@ -17,14 +18,19 @@ OVERLAYS = sorted((REPO / "bench" / "configs").glob("*.yaml"))
 def test_every_overlay_gives_valid_params(overlay):
     over = yaml.safe_load(overlay.read_text())
     assert over.pop("bench_note"), "each row says what it is"
-    from_dict(merge(yaml.safe_load((REPO / "params.yaml").read_text()), over), str(overlay))
+    from_dict(merge(to_dict(Config()), over), str(overlay))
 
 
 def test_write_params_writes_the_merge(tmp_path):
     overlay = REPO / "bench" / "configs" / "maxctx-1b.yaml"
+    base = tmp_path / "base.yaml"  # not the workspace's params.yaml, which a user may have edited
+    base.write_text(yaml.safe_dump(to_dict(Config())))
     subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), str(overlay),
-                    "--write-params", str(tmp_path)], check=True, cwd=tmp_path)
+                    "--write-params", str(tmp_path), "--base", str(base)], check=True, cwd=tmp_path)
     written = yaml.safe_load((tmp_path / "maxctx-1b.yaml").read_text())
+    over = yaml.safe_load(overlay.read_text())
+    del over["bench_note"]
+    assert written == merge(to_dict(Config()), over)
     cfg = from_dict(written, "written")
     assert cfg.model.name == "llama3.2-1b" and cfg.zero.offload_optimizer == "cpu"
     assert cfg.checkpointing.mode == "gpu" and "bench_note" not in written

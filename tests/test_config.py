@@ -1,26 +1,71 @@
-"""params.yaml validation: every problem reported together, before any work."""
+"""params.yaml validation: every problem reported together, before any work. The shipped params
+have one source of truth, the dataclass defaults; the tests never read the workspace's params.yaml
+(a user edits it), only the committed one, to check that it sets exactly those defaults."""
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from longft.config.params import ConfigError, from_dict, load, merge
+from longft.config.params import Config, ConfigError, from_dict, load, merge, to_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_shipped_params_load_with_expected_values():
-    cfg = load(REPO / "params.yaml")
-    assert cfg.model.name == "tiny-llama"
-    assert cfg.data.max_seq_length >= 4096
-    assert cfg.optim.betas == (0.9, 0.95)
+def flat(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def committed_params_yaml() -> dict:
+    """params.yaml as committed (git HEAD), whatever the working copy now says."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed: the committed params.yaml cannot be read")
+    p = subprocess.run([git, "show", "HEAD:./params.yaml"], cwd=REPO, capture_output=True,
+                       text=True, check=False)
+    if p.returncode:
+        pytest.skip(f"no committed params.yaml here (git show: {p.stderr.strip()})")
+    return yaml.safe_load(p.stdout)
+
+
+def test_committed_params_yaml_sets_exactly_the_dataclass_defaults():
+    want, got = flat(to_dict(Config())), flat(committed_params_yaml())
+    wrong = sorted(f"{k}: params.yaml {got.get(k, '(not set)')!r}, "
+                   f"default {want.get(k, '(no such field)')!r}"
+                   for k in want.keys() | got.keys()
+                   if k not in got or k not in want or got[k] != want[k]
+                   or type(got[k]) is not type(want[k]))
+    assert not wrong, "params.yaml (HEAD) and the dataclass defaults differ:\n" + "\n".join(wrong)
+
+
+def test_shipped_defaults_are_valid_and_survive_a_params_file(tmp_path):
+    # what the tests write for their runs: the defaults (plus overrides) as a params.yaml
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(to_dict(Config())))
+    cfg = load(p)
+    assert cfg == from_dict({}) == Config()
+    assert cfg.model.name == "tiny-llama" and cfg.data.max_seq_length == 4096
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas) == (1e-3, 0.01, (0.9, 0.95))
     assert cfg.grad_accum_steps == cfg.train.global_batch_size // cfg.train.micro_batch_size
 
 
-def test_code_defaults_are_the_reference_study_adamw():
-    cfg = from_dict({})
-    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas) == (1e-4, 0.01, (0.9, 0.95))
+def test_master_port_is_auto_or_a_port_from_1024():
+    assert from_dict({}).hardware.master_port == "auto"
+    assert from_dict({"hardware": {"master_port": 29600}}).hardware.master_port == 29600
+    for bad, says in ((80, "must be auto or a TCP port in 1024-65535"),
+                      (70000, "must be auto or a TCP port in 1024-65535"),
+                      ("29511", "expected int or 'auto', got '29511'"),
+                      ("any", "expected int or 'auto', got 'any'"),
+                      (True, "expected int or 'auto', got True")):
+        with pytest.raises(ConfigError) as e:
+            from_dict({"hardware": {"master_port": bad}})
+        assert len(e.value.problems) == 1 and says in e.value.problems[0], (bad, e.value.problems)
 
 
 def test_all_problems_reported_at_once():
@@ -86,11 +131,11 @@ def test_file_errors(tmp_path):
 
 
 def test_overrides_merge_deeply():
-    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    base = to_dict(Config())
     out = merge(base, {"train": {"iterations": 3}})
     assert out["train"]["iterations"] == 3
     assert out["train"]["micro_batch_size"] == base["train"]["micro_batch_size"]
-    assert yaml.safe_load((REPO / "params.yaml").read_text()) == base
+    assert base == to_dict(Config())  # not modified
 
 
 def test_config_is_frozen():

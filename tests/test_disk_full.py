@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from longft.engine.checkpoint import CheckpointError, _failed, complete_steps, fingerprint
-from longft.config.params import load, merge
+from longft.config.params import Config, load, merge, to_dict
 from longft.run.launch import environment, free_port
-from longft.run.pipeline import REPO, run_all, run_stage, stage_commands
+from longft.run.pipeline import run_all, run_stage, stage_commands
 
 OVERLAY = {"data": {"num_samples": 6, "max_seq_length": 1024},
            "train": {"iterations": 5, "warmup_iterations": 1},
@@ -46,7 +46,7 @@ def digest(root: Path) -> dict:
 
 
 def test_disk_full_mid_checkpoint_keeps_the_previous_one_resumable(tmp_path):
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), OVERLAY)
+    params = merge(to_dict(Config()), OVERLAY)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     run_all(tmp_path / "params.yaml", tmp_path, ("prepare", "patch"))
     cmd = stage_commands(tmp_path / "params.yaml", tmp_path)["train"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from longft.config.params import from_dict
+from longft.config.plan import Resolved
 from longft.estimate.estimator import GIB, LAUNCHER_BASE_BYTES, RANK_BASE_BYTES, SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES, Setup, compare, estimate, estimate_for_plan, fits, format_table, layer_activation_bytes, param_numels, pinned, pinned_pool, reuse_layers, setup_from_config, sub_groups, zero_knobs
 from longft.hardware import Choice
 
@@ -277,8 +278,8 @@ def test_eager_attention_is_quadratic():
     assert quad - lin == 32 * 8192 * 6 + 2 * 2 * (2048 - 512)
 
 
-def test_packed_rows_add_a_mask_and_expand_kv():
-    e = items(estimate(LLAMA_1B, Setup(2, 4096, packed=True)))
+def test_packed_rows_under_the_block_mask_add_a_mask_and_expand_kv():
+    e = items(estimate(LLAMA_1B, Setup(2, 4096, block_mask=True)))
     assert e["attention mask (packed rows)"] == 2 * 4096 * 4096
 
 
@@ -313,20 +314,21 @@ def test_setup_from_config_reads_plan_and_choices():
                      "train": {"micro_batch_size": 2, "global_batch_size": 8},
                      "hardware": {"num_gpus": 2},
                      "zero": {"offload_optimizer": "cpu", "offload_param": "cpu"}})
-    plan_style = {"precision": {"value": "bf16", "reason": "x"}, "attention": {"value": "sdpa"},
-                  "liger": {"value": True}, "checkpointing": {"value": "gpu"}}
+    plan_style = {"device": {"value": "cuda", "reason": "x"}, "precision": {"value": "bf16"},
+                  "attention": {"value": "sdpa"}, "liger": {"value": True},
+                  "checkpointing": {"value": "gpu"}}
     choices = {k: Choice(v["value"], "r") for k, v in plan_style.items()}
     a, b = setup_from_config(cfg, plan_style), setup_from_config(cfg, choices)
-    assert a == b
+    assert a == b == setup_from_config(cfg, Resolved.from_dict(plan_style))
     assert (a.micro_batch, a.seq_len, a.world_size, a.ranks_per_node, a.grad_accum) == (2, 8192, 2, 2, 2)
-    assert a.offload_param and a.offload_optimizer and a.liger and not a.packed
+    assert a.offload_param and a.offload_optimizer and a.liger and not a.block_mask
     assert a.sdpa_backend == "default"
 
 
 def test_estimate_for_plan_is_json_and_compare_handles_cpu_runs():
     cfg = from_dict({"data": {"max_seq_length": 1024}})
-    d = estimate_for_plan(cfg, SMALL, {"precision": "bf16", "attention": "sdpa", "liger": False,
-                                       "checkpointing": "gpu"}, 1)
+    d = estimate_for_plan(cfg, SMALL, {"device": "cuda", "precision": "bf16", "attention": "sdpa",
+                                       "liger": False, "checkpointing": "gpu"}, 1)
     json.dumps(d)
     assert d["gpu"]["allocated_bytes"] == sum(
         i["bytes"] for i in d["gpu"]["items"] if d["gpu"]["peak_phase"] in i["phases"])

@@ -72,8 +72,8 @@ def _row_params():
 
 def _estimate(path):
     """The row's params, its raw JSON and the current estimator's prediction for it."""
+    from longft.model.architecture import architecture
     from longft.model.loading import load_model_config
-    from longft.run.patch_stage import architecture
 
     row = json.loads(path.read_text())
     cfg = from_dict(row["params"])
@@ -135,11 +135,11 @@ def test_max_context_gpu_runs_within_10_percent():
     run that fitted, re-estimated from its overlay at its length, within 10 % (allocated, host)."""
     import yaml
 
-    from longft.config.params import merge
+    from longft.config.params import Config, merge, to_dict
     from longft.estimate.estimator import GIB, estimate, setup_from_config
     from longft.hardware import Hardware, resolve
+    from longft.model.architecture import architecture
     from longft.model.loading import load_model_config
-    from longft.run.patch_stage import architecture
 
     report = json.loads((REPO / "bench/results/maxctx-1b-16gib-maxctx.json").read_text())
     run = next(r for r in report["runs"] if r["status"] == "fits")
@@ -150,7 +150,7 @@ def test_max_context_gpu_runs_within_10_percent():
     over = merge(over, {"data": {"max_seq_length": run["seq"]}, "kernels": {"tiled_mlp": "on"},
                         "hardware": {"vram_limit_gib": report["vram_limit_gib"]},
                         "zero": {"host_grad_buffer": "full"}})
-    cfg = from_dict(merge(yaml.safe_load((REPO / "params.yaml").read_text()), over))
+    cfg = from_dict(merge(to_dict(Config()), over))
     arch = architecture(load_model_config(cfg.model))
     h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
                     gpu_mem_gib=139.8, host_mem_gib=251.8, cpu_count=32, flash_attn=False, liger=True)

@@ -110,7 +110,7 @@ def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
     ov = overlay("llama3.1-8b", choice, 1, shipped=True)
     assert ov["checkpointing"] == {"mode": "cpu_offload", "gpu_layers": choice.setup.gpu_layers,
                                    "keep_attention": choice.setup.keep_attention}
-    assert ov["data"] == {"max_seq_length": 128000, "pack": False}
+    assert ov["data"] == {"max_seq_length": 128000}  # packed rows need no mask: no pack: false
 
 
 def test_estimate_command_fits_and_does_not_fit(tmp_path, on, capsys):

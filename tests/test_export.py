@@ -12,11 +12,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from longft.config.params import merge
-    from longft.run.pipeline import REPO, run_all
+    from longft.config.params import Config, merge, to_dict
+    from longft.run.pipeline import run_all
 
     work = tmp_path_factory.mktemp("export")
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+    params = merge(to_dict(Config()),
                    {"data": {"num_samples": 6}, "train": {"iterations": 3, "warmup_iterations": 1},
                     "output": {"save_checkpoint": True, "export": True}})
     (work / "params.yaml").write_text(yaml.safe_dump(params))

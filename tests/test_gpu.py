@@ -59,10 +59,10 @@ def test_liger_matches_unpatched_model(dtype, rtol, monkeypatch):
 
 def test_pipeline_on_gpu_with_liger_under_zero3(tmp_path):
     """The default tiny pipeline on CUDA: Liger's fused loss under ZeRO-3 partitioning, CPU Adam."""
-    from longft.config.params import merge
-    from longft.run.pipeline import REPO, run_all
+    from longft.config.params import Config, merge, to_dict
+    from longft.run.pipeline import run_all
 
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+    params = merge(to_dict(Config()),
                    {"train": {"iterations": 8, "warmup_iterations": 2},
                     "output": {"save_checkpoint": False}, "hardware": {"device": "cuda"}})
     p = tmp_path / "params.yaml"
@@ -282,12 +282,12 @@ def test_shared_host_grad_buffer_trains_like_the_full_one_on_cuda(tmp_path):
     """zero.host_grad_buffer: shared on the GPU, where the copies into and out of the one staging
     slot are asynchronous (they run in order on DeepSpeed's reduce stream): the same losses as
     DeepSpeed's own per-partition buffer, with the parameters and the optimizer on the CPU."""
-    from longft.config.params import merge
-    from longft.run.pipeline import REPO, run_params
+    from longft.config.params import Config, merge, to_dict
+    from longft.run.pipeline import run_params
 
     losses = {}
     for mode in ("full", "shared"):
-        params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+        params = merge(to_dict(Config()),
                        {"data": {"num_samples": 6}, "hardware": {"device": "cuda"},
                         "train": {"global_batch_size": 1, "iterations": 5, "warmup_iterations": 1},
                         "zero": {"offload_param": "cpu", "host_grad_buffer": mode},

@@ -9,14 +9,13 @@ import types
 
 import pytest
 import torch
-import yaml
 
-from longft.config.params import ModelConfig, merge
+from longft.config.params import Config, ModelConfig, merge, to_dict
 from longft.estimate.estimator import GIB, Setup, estimate
 from longft.engine.grad_buffer import MAP, GradBufferError, share
+from longft.model.architecture import architecture
 from longft.model.loading import load_model_config
-from longft.run.pipeline import REPO, run_params, run_stage, stage_commands
-from longft.run.patch_stage import architecture
+from longft.run.pipeline import run_params, run_stage, stage_commands
 
 # DeepSpeed's warm-up runs step 1 at lr 0; steps 2-5 update the weights, so the losses of steps
 # 3-5 depend on the updates made through the gradient buffer
@@ -26,7 +25,7 @@ OVERLAY = {"data": {"num_samples": 6, "max_seq_length": 1024},
 
 
 def run(tmp_path, mode, extra=None):
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+    params = merge(to_dict(Config()),
                    merge(OVERLAY, {"zero": {"host_grad_buffer": mode}, **(extra or {})}))
     r = run_params(params, tmp_path / mode)
     assert r.failed is None, r.log.read_text()[-3000:]

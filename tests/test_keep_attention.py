@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from longft.model import patches as patch
 from longft.model.keep_attention import kernel_ops
-from longft.config.params import ConfigError, from_dict, merge
+from longft.config.params import Config, ConfigError, from_dict, merge, to_dict
 from longft.estimate.estimator import estimate
 from longft.estimate.types import Setup
 from longft.estimate.placement import keep_on_gpu, step_seconds
@@ -117,15 +117,19 @@ def test_a_kept_output_goes_back_only_to_the_kernel_that_made_it():
 
 
 def test_trainer_warns_when_nothing_was_kept(capsys, monkeypatch):
+    from longft.config.plan import Patches
     from longft.engine import trainer
     from longft.model.keep_attention import KeptKernels
 
+    def kept(n):
+        return Patches(replaced_modules={}, attention_kept_layers=n, record={})
+
     monkeypatch.setattr(KeptKernels, "replayed_total", 0)
-    trainer._first_step_warnings({"offloaded_bytes": 0}, None, {"attention_kept_layers": 2})
+    trainer._first_step_warnings({"offloaded_bytes": 0}, None, kept(2))
     assert "kept no attention output" in capsys.readouterr().out
     monkeypatch.setattr(KeptKernels, "replayed_total", 3)
-    trainer._first_step_warnings({"offloaded_bytes": 0}, None, {"attention_kept_layers": 2})
-    trainer._first_step_warnings({"offloaded_bytes": 0}, None, {"attention_kept_layers": 0})
+    trainer._first_step_warnings({"offloaded_bytes": 0}, None, kept(2))
+    trainer._first_step_warnings({"offloaded_bytes": 0}, None, kept(0))
     assert capsys.readouterr().out == ""
 
 
@@ -134,11 +138,7 @@ def test_trainer_warns_when_nothing_was_kept(capsys, monkeypatch):
     ({"mode": "none", "keep_attention": 2}, "needs checkpointing"),
 ])
 def test_config_refuses_bad_keep_attention(section, match):
-    import yaml
-
-    from longft.run.pipeline import REPO
-
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), {"checkpointing": section})
+    params = merge(to_dict(Config()), {"checkpointing": section})
     with pytest.raises(ConfigError, match=match):
         from_dict(params, "params.yaml")
 

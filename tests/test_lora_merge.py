@@ -98,16 +98,16 @@ def test_lora_trained_under_zero3_exports_a_merged_model(tmp_path, byte_tokenize
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from longft.config.params import ModelConfig, merge
+    from longft.config.params import Config, ModelConfig, merge, to_dict
     from longft.model.loading import load_model_config
-    from longft.run.pipeline import REPO, run_all
+    from longft.run.pipeline import run_all
 
     base_dir = tmp_path / "base"
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(load_model_config(ModelConfig()),
                                      dtype=torch.float32).save_pretrained(base_dir)
     byte_tokenizer.save_pretrained(base_dir)
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), {
+    params = merge(to_dict(Config()), {
         "model": {"source": "pretrained", "name": str(base_dir)},
         "precision": "fp32",
         "data": {"num_samples": 4, "max_seq_length": 1024},

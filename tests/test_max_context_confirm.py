@@ -9,7 +9,7 @@ import yaml
 
 from longft.run import confirm
 from longft.run.confirm import ERROR, FITS, NO_FIT, RunResult, memory_failure, run_overlay, search, vram_cap
-from longft.config.params import ConfigError, merge
+from longft.config.params import Config, ConfigError, merge, to_dict
 from longft.cli.estimate import main
 from longft.hardware import Hardware
 from longft.run.pipeline import REPO
@@ -204,7 +204,7 @@ def test_confirmation_runs_the_real_stages_on_cpu(tmp_path, monkeypatch, capsys)
         [str(hook), str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.setenv("LONGFT_TEST_OOM_ABOVE", "4096")
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump(yaml.safe_load((REPO / "params.yaml").read_text())))
+    params.write_text(yaml.safe_dump(to_dict(Config())))
     work = tmp_path / "work"
     code = main("max-context", ["--params", str(params), "--gpu-mem", "16", "--max-seq", "5120",
                                 "--confirm", "--iterations", "1", "--work", str(work)])

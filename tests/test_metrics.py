@@ -11,14 +11,17 @@ import pytest
 
 from longft import atomic
 from longft.estimate.flops import flops_per_token
+from longft.config.plan import Plan
 from longft.metrics.summary import summarize, write_outputs
+from test_plan_file import plan_dict  # tests/ is on sys.path under pytest
 
 GIB = 1024**3
 REPO = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000.0
-PLAN = {"model_config": {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
-                         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                         "intermediate_size": 14336, "vocab_size": 128256}}
+PLAN_DICT = plan_dict(model_config={
+    "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256})
+PLAN = Plan.from_dict(PLAN_DICT)
 ENV = {"type": "env", "rank": 0, "gpu_name": "NVIDIA A100-SXM4-40GB", "gpu_count": 2,
        "driver": "550.54", "cuda": "12.4", "torch": "2.6.0", "deepspeed": "0.19.8",
        "transformers": "5.17.0", "liger_kernel": "0.8.5", "peft": None, "python": "3.11.2",
@@ -94,7 +97,7 @@ def test_aggregates_by_hand(tmp_path):
     assert train["fwd_s"] == pytest.approx(0.25 * 2.2)
     assert train["bwd_s"] == pytest.approx(0.5 * 2.2)
     assert train["opt_s"] == pytest.approx(0.25 * 2.2)
-    fpt = flops_per_token(PLAN["model_config"], 1024)
+    fpt = flops_per_token(PLAN.model_config, 1024)
     assert train["flops_per_token"] == fpt
     assert train["peak_tflops_per_gpu"] == 312.0
     assert train["mfu"] == pytest.approx(3 * 1900 / 6.7 * fpt / (2 * 312e12), abs=1e-4)
@@ -158,7 +161,7 @@ def test_missing_rank_file_and_empty_run(tmp_path):
     assert train["status"] == "incomplete"  # env says world_size 2, rank 1 never reported
     empty = tmp_path / "empty"
     empty.mkdir()
-    train, env, rows = summarize(empty, {})
+    train, env, rows = summarize(empty, None)
     assert train["status"] == "incomplete" and train["steps"] == 0 and rows == []
     assert train["tokens_per_s"] is None and train["mfu"] is None
     assert train["iter_latency_s"]["median"] is None and train["loss"]["first"] is None
@@ -241,7 +244,7 @@ def test_stage_entry_point(tmp_path):
     assert p.returncode == 2 and "nope" in p.stderr and "Traceback" not in p.stderr
     make_run(tmp_path / "runs" / "train")
     (tmp_path / "artifacts").mkdir()
-    (tmp_path / "artifacts" / "plan.json").write_text(json.dumps(PLAN))
+    (tmp_path / "artifacts" / "plan.json").write_text(json.dumps(PLAN_DICT))
     p = _stage(cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "tokens/s" in p.stdout and "loss 5.0947 -> 2.0947" in p.stdout

@@ -9,9 +9,9 @@ import sys
 
 import yaml
 
-from longft.config.params import merge
+from longft.config.params import Config, merge, to_dict
 from longft.run.launch import environment, free_port
-from longft.run.pipeline import REPO, run_all, run_stage, stage_commands
+from longft.run.pipeline import run_all, run_stage, stage_commands
 
 OVERLAY = {"data": {"num_samples": 4, "max_seq_length": 1024},
            "train": {"iterations": 4, "warmup_iterations": 1},
@@ -35,7 +35,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_out_of_memory_is_reported_with_step_and_sequence_length(tmp_path):
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), OVERLAY)
+    params = merge(to_dict(Config()), OVERLAY)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     run_all(tmp_path / "params.yaml", tmp_path, ("prepare", "patch"))
     args = ["--params", str(tmp_path / "params.yaml"),

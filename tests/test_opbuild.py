@@ -94,14 +94,16 @@ def test_other_errors_are_left_alone():
 def test_worker_prints_one_message_and_exits_2(monkeypatch, tmp_path, capsys, cpu_adam):
     import torch.utils.cpp_extension as ce
 
+    from longft.config.params import Config, to_dict
     from longft.engine import worker
-    from longft.run.pipeline import REPO
 
     monkeypatch.setattr(ce, "verify_ninja_availability", lambda: (_ for _ in ()).throw(
         RuntimeError("Ninja is required to load C++ extensions")))
     monkeypatch.setattr(worker, "train", lambda *a, **k: cpu_adam.load())
     (tmp_path / "p.json").write_text("{}")
-    code = worker.main(["--params", str(REPO / "params.yaml"), "--plan", str(tmp_path / "p.json"),
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(to_dict(Config())))
+    code = worker.main(["--params", str(params), "--plan", str(tmp_path / "p.json"),
                         "--ds-config", str(tmp_path / "p.json")])
     err = capsys.readouterr().err
     assert code == 2
@@ -124,13 +126,13 @@ def _no_compiler_path(farm):
 def test_training_without_a_compiler_explains_the_cpu_adam_build(tmp_path):
     """A real run (ZeRO-3, zero.offload_optimizer: cpu) with no C++ compiler on PATH and an empty
     op build folder: DeepSpeed must JIT-build cpu_adam and cannot."""
-    from longft.config.params import merge
+    from longft.config.params import Config, merge, to_dict
     from longft.run.launch import environment
-    from longft.run.pipeline import REPO, run_all, stage_commands
+    from longft.run.pipeline import run_all, stage_commands
 
     if shutil.which("c++") is None:
         pytest.skip("needs a C++ compiler to build the CPU comm op this test keeps")
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+    params = merge(to_dict(Config()),
                    {"data": {"num_samples": 4, "max_seq_length": 1024},
                     "train": {"iterations": 2, "warmup_iterations": 1},
                     "zero": {"offload_optimizer": "cpu"},

@@ -144,3 +144,25 @@ def test_packed_attention_on_cuda_matches_the_documents_alone(kernel):
     ref.float().square().mean().backward()
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=5e-2, atol=5e-3)
+
+
+def test_trainer_hands_boundaries_once_per_micro_batch_and_counts_attention_per_document():
+    """The trainer's per-micro-batch work: the boundaries (on the device) only where the attention
+    reads them, and sum(L_i^2) over real tokens: the tail padding, which continues the last
+    document's positions, is left out. metrics' attention_length turns it into the S of the
+    FLOPs formula."""
+    from longft.engine.trainer import _doc_kwargs
+    from longft.metrics.summary import attention_length
+
+    pad = 0
+    ids = torch.tensor([[5, 6, 7, 8, 9, 3, 3, pad], [4, 4, 4, 4, 4, 4, 4, 4]])
+    labels = torch.tensor([[-100, 6, 7, -100, 9, 3, 3, -100], [-100, 4, 4, 4, 4, 4, 4, 4]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], list(range(8))])  # docs 3 + 4 (+1 pad), then 8
+    kw, sq = _doc_kwargs({"input_ids": ids, "labels": labels, "position_ids": pos}, pad, "cpu", True)
+    assert kw["cu_seq_lens_q"].tolist() == [0, 3, 8, 16] and kw["max_length_q"] == 8
+    assert sq == 3 * 3 + 4 * 4 + 8 * 8
+    kw, sq2 = _doc_kwargs({"input_ids": ids, "labels": labels, "position_ids": pos}, pad, "cpu", False)
+    assert kw == {} and sq2 == sq
+    rows = [{"doc_sq_tokens": sq, "tokens": 15}]
+    assert attention_length(rows, 8) == pytest.approx(89 / 15)
+    assert attention_length([{"doc_sq_tokens": None, "tokens": 15}], 8) == 8.0  # older runs

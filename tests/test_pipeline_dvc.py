@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from longft.config.params import Config, merge, to_dict
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -35,10 +37,10 @@ def repo(tmp_path_factory):
             continue
         (root / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / f, root / f)
-    params = yaml.safe_load((root / "params.yaml").read_text())
-    params["data"]["num_samples"] = 12
-    params["train"].update(iterations=8, warmup_iterations=2)
-    params["output"]["save_checkpoint"] = False
+    # the shipped params (the dataclass defaults), not the workspace's params.yaml a user edits
+    params = merge(to_dict(Config()), {"data": {"num_samples": 12},
+                                       "train": {"iterations": 8, "warmup_iterations": 2},
+                                       "output": {"save_checkpoint": False}})
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     sh("git", "init", "-q", cwd=root)
     sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init", "--allow-empty",
@@ -60,6 +62,9 @@ def test_repro_runs_every_stage_and_trains(repo):
     assert stats["rows"] == 12
     for f in ("env.json", "loss.csv", "memory.csv", "memory.png", "report.md"):
         assert (root / "metrics" / f).stat().st_size > 0
+    # hardware.master_port auto: the port the train stage took is the one the ranks met on
+    port = json.loads((root / "metrics/env.json").read_text())["master_port"]
+    assert 1024 <= port <= 65535 and f"master port {port} (hardware.master_port auto" in out
 
 
 def test_zero3_cpu_offload_loss_decreases_on_synthetic_task(repo):

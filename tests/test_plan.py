@@ -23,8 +23,8 @@ def values(cfg, hw, model_type="llama"):
 def test_v100_resolves_fp16_sdpa():
     v = values(from_dict({}), V100)
     assert v == {"device": "cuda", "precision": "fp16", "attention": "sdpa",
-                 "sdpa_backend": "efficient", "liger": True, "checkpointing": "gpu",
-                 "tiled_mlp": False, "host_grad_buffer": "full"}
+                 "sdpa_backend": "efficient", "packed_attention": "per_document", "liger": True,
+                 "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full"}
 
 
 def test_host_grad_buffer_auto_is_shared_only_where_exact():
@@ -96,8 +96,8 @@ def test_v100_plan_expands_kv_heads_for_the_efficient_kernel(monkeypatch):
 def test_cpu_resolves_bf16_sdpa_no_liger():
     v = values(from_dict({}), CPU)
     assert v == {"device": "cpu", "precision": "bf16", "attention": "sdpa",
-                 "sdpa_backend": "default", "liger": False, "checkpointing": "gpu",
-                 "tiled_mlp": False, "host_grad_buffer": "full"}
+                 "sdpa_backend": "default", "packed_attention": "per_document", "liger": False,
+                 "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full"}
 
 
 def test_liger_auto_off_for_unsupported_family():

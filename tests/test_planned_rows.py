@@ -1,6 +1,6 @@
 """The planned rows of issues 8 (4 x H200) and 9 (8 x H200, incl. the 8 x V100 emulation), which
 no session has run yet (BENCHMARKS.md, "Planned rows"): each overlay in bench/configs merges onto
-params.yaml into valid params, and the estimator predicts that it fits its machine with margin.
+the shipped params (the dataclass defaults) into valid params, and the estimator predicts that it fits its machine with margin.
 
 A row is estimated as the patch stage would on its machine: `auto` resolved for an H200 (cuDNN
 attention, Liger), `hardware.num_gpus` ranks on one node. The machine comes from the overlay's
@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import yaml
 
-from longft.config.params import from_dict, merge
+from longft.config.params import Config, from_dict, merge, to_dict
 from longft.estimate.estimator import GIB, estimate, fits, setup_from_config
 from longft.hardware import Hardware, resolve
+from longft.model.architecture import architecture
 from longft.model.loading import load_model_config
 from longft.run.pipeline import REPO
-from longft.run.patch_stage import architecture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +60,12 @@ def h200(n: int) -> Hardware:
 
 
 def load_row(path, **change):
-    """(config, estimate) of an overlay merged onto params.yaml; `change` overrides overlay keys
-    (section -> dict) before the merge."""
+    """(config, estimate) of an overlay merged onto the shipped defaults; `change` overrides
+    overlay keys (section -> dict) before the merge."""
     over = yaml.safe_load(path.read_text())
     assert over.pop("bench_note")
     over = merge(over, change)
-    cfg = from_dict(merge(yaml.safe_load((REPO / "params.yaml").read_text()), over), str(path))
+    cfg = from_dict(merge(to_dict(Config()), over), str(path))
     arch = architecture(load_model_config(cfg.model))
     resolved = {k: c.value for k, c in resolve(cfg, h200(cfg.hardware.num_gpus),
                                                 arch["model_type"]).items()}

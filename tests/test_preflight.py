@@ -9,9 +9,11 @@ import sys
 import pytest
 import yaml
 
-from longft.config.params import ConfigError, from_dict, load, merge
+from longft.config.params import Config, ConfigError, from_dict, merge, to_dict
+from longft.config.plan import Plan
 from longft.run.pipeline import REPO, run_all
 from longft.run.preflight import HostMemoryError, host_memory
+from test_plan_file import plan_dict  # tests/ is on sys.path under pytest
 
 GIB = 2**30
 VM = collections.namedtuple("svmem", "total available percent used free")
@@ -27,9 +29,8 @@ def fake_memory(monkeypatch, available_gib, total_gib=4.0):
 def plan_with(rss_gib, device="cpu", checkpointing="gpu"):
     items = [{"name": "optimizer: Adam m, v (CPU Adam)", "bytes": int(rss_gib * 0.6 * GIB)},
              {"name": "process baseline", "bytes": int(rss_gib * 0.4 * GIB)}]
-    return {"resolved": {"device": {"value": device}, "checkpointing": {"value": checkpointing}},
-            "memory_estimate": {"estimate": {"host": {"rss_bytes": int(rss_gib * GIB),
-                                                      "items": items}}}}
+    return Plan.from_dict(plan_dict({"device": device, "checkpointing": checkpointing},
+                                    host_rss_bytes=int(rss_gib * GIB), host_items=items))
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +38,18 @@ def default_plan():
     from longft.hardware import detect
     from longft.run.patch_stage import make_plan
 
-    return make_plan(load(REPO / "params.yaml"), detect())[0]
+    return Plan.from_dict(make_plan(from_dict({}), detect())[0])
 
 
 def test_default_params_pass_on_this_machine(default_plan):
-    note = host_memory(load(REPO / "params.yaml"), default_plan)
+    note = host_memory(from_dict({}), default_plan)
     assert note.startswith("host RAM: predicted peak") and "available" in note
 
 
 def test_too_little_ram_is_refused_with_numbers_and_fixes(monkeypatch, default_plan):
     fake_memory(monkeypatch, available_gib=0.25)
-    cfg = load(REPO / "params.yaml")
-    need = default_plan["memory_estimate"]["estimate"]["host"]["rss_bytes"] / GIB
+    cfg = from_dict({})
+    need = default_plan.memory_estimate.host_rss_bytes / GIB
     with pytest.raises(HostMemoryError) as e:
         host_memory(cfg, default_plan)
     msg = str(e.value)
@@ -85,7 +86,7 @@ def test_host_mem_check_must_be_a_boolean():
 
 def test_train_stage_refuses_before_starting_ranks_and_deletes_nothing(tmp_path, monkeypatch,
                                                                          capsys):
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+    params = merge(to_dict(Config()),
                    {"data": {"num_samples": 4, "max_seq_length": 1024}})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     run_all(tmp_path / "params.yaml", tmp_path, ("prepare", "patch"))

@@ -14,9 +14,9 @@ def test_pretrained_model_with_lora_trains_and_exports_an_adapter(tmp_path, byte
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from longft.config.params import ModelConfig, merge
+    from longft.config.params import Config, ModelConfig, merge, to_dict
     from longft.model.loading import load_model_config
-    from longft.run.pipeline import REPO, run_all
+    from longft.run.pipeline import run_all
 
     base_dir = tmp_path / "base"
     torch.manual_seed(0)
@@ -24,7 +24,7 @@ def test_pretrained_model_with_lora_trains_and_exports_an_adapter(tmp_path, byte
     base.save_pretrained(base_dir)
     byte_tokenizer.save_pretrained(base_dir)
 
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), {
+    params = merge(to_dict(Config()), {
         "model": {"source": "pretrained", "name": str(base_dir)},
         "data": {"num_samples": 6},
         "train": {"iterations": 4, "warmup_iterations": 1},

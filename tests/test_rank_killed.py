@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from longft.engine.checkpoint import complete_steps, fingerprint
-from longft.config.params import load, merge
-from longft.run.pipeline import REPO, run_all, run_stage, stage_commands
+from longft.config.params import Config, load, merge, to_dict
+from longft.run.pipeline import run_all, run_stage, stage_commands
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def workers(root: int, tag: str) -> list[psutil.Process]:
 
 
 def test_a_killed_rank_stops_the_run_promptly_and_the_rerun_resumes(tmp_path):
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), {
+    params = merge(to_dict(Config()), {
         "hardware": {"num_gpus": 2, "master_port": unused_port()},
         "data": {"num_samples": 8, "max_seq_length": 1024},
         "train": {"iterations": 6, "warmup_iterations": 1, "global_batch_size": 2},

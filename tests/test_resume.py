@@ -10,8 +10,8 @@ import time
 import pytest
 import yaml
 
-from longft.config.params import merge
-from longft.run.pipeline import REPO, run_all, run_stage, stage_commands
+from longft.config.params import Config, merge, to_dict
+from longft.run.pipeline import run_all, run_stage, stage_commands
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def losses(work):
 
 def setup(work):
     work.mkdir(parents=True, exist_ok=True)
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), OVERLAY)
+    params = merge(to_dict(Config()), OVERLAY)
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     run_all(work / "params.yaml", work, ("prepare", "patch"))
     return stage_commands(work / "params.yaml", work)["train"]

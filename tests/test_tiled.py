@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from longft.model import tiled_mlp as tiled
-from longft.config.params import from_dict, merge
+from longft.config.params import Config, from_dict, merge, to_dict
 from longft.estimate.arch import dims
 from longft.estimate.gpu import layer_activation_bytes
 from longft.estimate.types import Setup
@@ -132,7 +132,7 @@ def test_lora_dropout_turns_auto_off_and_refuses_on():
 def _resolve(lora=None, **kernels):
     from longft.hardware import Hardware, resolve
 
-    cfg = from_dict(merge(yaml.safe_load((REPO / "params.yaml").read_text()),
+    cfg = from_dict(merge(to_dict(Config()),
                           {"kernels": kernels, "data": {"max_seq_length": kernels.pop("seq", 4096)},
                            "lora": lora or {}}))
     cpu = Hardware(device="cpu")
@@ -157,11 +157,11 @@ def test_estimate_drops_the_mlp_intermediates():
 
 
 def pipeline_losses(work, overlay: dict) -> tuple[dict, list[float]]:
-    """Run prepare -> patch -> train on params.yaml + overlay (no checkpoints, no export) in work;
-    return (artifacts/plan.json, the per-step losses of rank 0)."""
+    """Run prepare -> patch -> train on the shipped params + overlay (no checkpoints, no export) in
+    work; return (artifacts/plan.json, the per-step losses of rank 0)."""
     work.mkdir()
     base = {"output": {"save_checkpoint": False, "export": False}}
-    params = merge(merge(yaml.safe_load((REPO / "params.yaml").read_text()), base), overlay)
+    params = merge(merge(to_dict(Config()), base), overlay)
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     run_all(work / "params.yaml", work, ("prepare", "patch", "train"))
     plan = json.loads((work / "artifacts" / "plan.json").read_text())

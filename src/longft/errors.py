@@ -1,0 +1,14 @@
+"""The one base class of the errors a user can fix."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem the user can fix: params, data, the model path, or hardware that cannot do what
+    was asked. The message says what is wrong and what to change.
+
+    Stages, the rank worker and the `longft` commands print its message (no traceback) and exit 2;
+    any other exception is a bug or an environment failure and keeps its traceback. Each subclass
+    also keeps the builtin base it had before (ValueError, RuntimeError), so older `except` clauses
+    still catch it.
+    """

@@ -41,8 +41,8 @@ __all__ = [
 
 
 def _architecture(model_cfg) -> dict:
+    from longft.model.architecture import architecture
     from longft.model.loading import load_model_config
-    from longft.run.patch_stage import architecture
 
     return architecture(load_model_config(model_cfg))
 
@@ -278,15 +278,14 @@ COMMANDS = {"estimate": cmd_estimate, "plan": cmd_plan, "max-context": cmd_max_c
 def main(command: str, argv: list[str]) -> int:
     """Run one of `estimate`, `plan`, `max-context` with its arguments; returns the exit code
     (0 fits / found, 1 does not fit / nothing found, 2 bad params or arguments)."""
-    from longft.config.params import ConfigError
-    from longft.model.loading import ModelError
+    from longft.errors import UserError
 
     if command not in COMMANDS:
         print(f"longft: unknown command {command!r} (known: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     try:
         return COMMANDS[command](argv)
-    except (ConfigError, ModelError) as e:
+    except UserError as e:
         print(f"longft {command}: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:      # argparse: --help (0) or a usage error (2)

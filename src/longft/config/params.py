@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import yaml
 
+from longft.config import cpu_rules
 from longft.config.typed_yaml import build_dataclass
+from longft.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """One or more problems in params.yaml; the message lists each with its key and a fix."""
 
     def __init__(self, problems: list[str], source: str = "params.yaml"):
@@ -49,12 +51,15 @@ class DataConfig:
     split: str = "train"
     format: Literal["auto", "messages", "prompt_completion", "text"] = "auto"
     """Record layout; auto picks from the keys of the first record."""
-    num_samples: int = 64
+    num_samples: int = 48
     """Samples to generate (synthetic/random) or the most to read (files; 0 = all)."""
     max_seq_length: int = 4096
     pack: bool = True
-    """Pack several samples into one sequence; position ids restart per document so that packed
-    documents do not attend to each other."""
+    """Pack several samples into one sequence; position ids restart per document and attention runs
+    per document (kernels.packed_attention), so packed documents do not attend to each other."""
+    synthetic_lengths: Literal["full", "mixed"] = "mixed"
+    """synthetic only: mixed = each sample's length log-uniform from 1,024 tokens to max_seq_length
+    (several documents a packed row, like real long chat records); full = every sample fills a row."""
     truncate: bool = True
     """Cut samples longer than max_seq_length; false makes such a sample an error (or a skip)."""
     on_bad_record: Literal["error", "skip"] = "error"
@@ -69,6 +74,12 @@ class KernelsConfig:
     """Liger fused kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); auto = on with CUDA."""
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
     """auto = flash_attention_2 when installed on compute capability >= 8.0, else sdpa."""
+    packed_attention: Literal["auto", "varlen", "per_document", "mask"] = "auto"
+    """Attention over rows that pack several documents (model/packed_attention.py): varlen = torch's
+    varlen_attn (CUDA, compute capability >= 8.0, torch >= 2.10); per_document = SDPA once per
+    document; mask = transformers' dense [seq x seq] block mask (slow; for comparison). auto picks
+    per GPU generation by measurement (README); flash_attention_2 reads the document boundaries
+    itself. Rows of one document always take the single-sequence kernel."""
     sdpa_backend: Literal["auto", "default", "flash", "cudnn", "efficient", "math"] = "auto"
     """With attention sdpa: the kernel SDPA tries first (fallbacks: efficient, math). auto = cudnn on
     compute capability >= 9.0, flash on 8.x, efficient on 7.x, PyTorch's default on CPU."""
@@ -104,7 +115,10 @@ class HardwareConfig:
     hostfile: Optional[str] = None
     """DeepSpeed hostfile for multi-node runs (`host slots=N` lines)."""
     launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
-    master_port: int = 29511
+    master_port: Union[int, Literal["auto"]] = "auto"
+    """The ranks' rendezvous port (torch.distributed's MASTER_PORT). auto = a port that is free on
+    this machine at launch, so two runs on one machine (a second experiment, the tests beside a
+    run) never collide; an int pins it, and the train stage refuses to start while it is in use."""
     vram_limit_gib: Optional[float] = None
     """Cap this process's GPU memory to emulate a smaller card (torch's per-process fraction)."""
     host_mem_check: bool = True
@@ -134,7 +148,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1.0e-4
+    lr: float = 1.0e-3
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1.0e-8
@@ -174,7 +188,7 @@ class LoraConfig:
 class OutputConfig:
     save_checkpoint: bool = True
     """Write a DeepSpeed checkpoint at the end of training (checkpoints/)."""
-    export: bool = False
+    export: bool = True
     """Write the finetuned model as a Hugging Face checkpoint (export/, safetensors) at the end."""
     export_lora: Literal["adapter", "merged"] = "adapter"
     """With LoRA (lora.rank > 0): adapter = export/ holds the peft adapter (load it on the base
@@ -251,8 +265,9 @@ def _check(cfg: Config) -> list[str]:
         p.append("hardware.hostfile: required when hardware.num_nodes > 1 (lines `host slots=N`)")
     if h.vram_limit_gib is not None and h.vram_limit_gib <= 0:
         p.append(f"hardware.vram_limit_gib: must be > 0 or null, got {h.vram_limit_gib}")
-    if not 1 <= h.master_port <= 65535:
-        p.append(f"hardware.master_port: must be a TCP port, got {h.master_port}")
+    if h.master_port != "auto" and not 1024 <= h.master_port <= 65535:
+        p.append(f"hardware.master_port: must be auto or a TCP port in 1024-65535 (below 1024 needs "
+                 f"root), got {h.master_port}")
     if t.micro_batch_size > 0 and t.global_batch_size > 0 and h.num_gpus > 0 and h.num_nodes > 0:
         per_step = t.micro_batch_size * cfg.world_size
         if t.global_batch_size % per_step:
@@ -300,18 +315,10 @@ def _check(cfg: Config) -> list[str]:
             p.append("lora.target_modules: must name at least one module when lora.rank > 0")
     if not 0 <= cfg.lora.dropout < 1:
         p.append(f"lora.dropout: must be in [0, 1), got {cfg.lora.dropout}")
-    if h.device == "cpu":
-        if cfg.precision == "fp16":
-            p.append("precision: fp16 is not supported on CPU; use bf16 or fp32 (or auto)")
-        if cfg.checkpointing.mode == "cpu_offload":
-            p.append("checkpointing.mode: cpu_offload moves GPU activations to the host and needs "
-                     "hardware.device cuda; on CPU use gpu (recompute) or none")
-        if cfg.kernels.attention == "flash_attention_2":
-            p.append("kernels.attention: flash_attention_2 needs a CUDA GPU; use sdpa on CPU")
-        if cfg.kernels.liger == "on":
-            p.append("kernels.liger: on needs a CUDA GPU (Triton kernels); use auto or off on CPU")
-        if h.vram_limit_gib is not None:
-            p.append("hardware.vram_limit_gib: only meaningful with hardware.device cuda; set it to null")
+    if h.device == "cpu":  # device auto resolving to cpu: the same rules, in hardware.resolve
+        p += (cpu_rules.precision(cfg.precision) + cpu_rules.checkpointing(cfg.checkpointing.mode)
+              + cpu_rules.attention(cfg.kernels.attention) + cpu_rules.liger(cfg.kernels.liger)
+              + cpu_rules.vram_limit(h.vram_limit_gib))
     return p
 
 

@@ -26,11 +26,19 @@ def coerce(value, tp, key: str, problems: list[str]):
     """Check `value` against annotation `tp`; return the converted value or record a problem."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):  # Optional[X]
+    if origin in (typing.Union, types.UnionType):  # Optional[X], or X | Literal[...]
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return coerce(value, inner[0], key, problems)
+        if len(inner) == 1:
+            return coerce(value, inner[0], key, problems)
+        for alternative in inner:  # the first that takes the value as it is
+            tried: list[str] = []
+            out = coerce(value, alternative, key, tried)
+            if not tried:
+                return out
+        problems.append(f"{key}: expected {type_name(tp)}, got {value!r}")
+        return None
     if origin is Literal:
         if isinstance(value, bool) and "on" in args:  # YAML 1.1 reads on/off as booleans
             value = "on" if value else "off"

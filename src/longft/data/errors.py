@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from longft.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Data that cannot be prepared or read; the message names where (file:line) and the fix.
 
     `reason` is a short key (bad_json, missing_key, ...) under which a skipped record is counted

@@ -48,7 +48,7 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict) -> list[S
     dc = cfg.data
     if dc.source == "synthetic":
         records = synthetic_records(dc.num_samples, dc.max_seq_length, cfg.train.seed,
-                                    lambda msgs: chat_token_count(msgs, tok))
+                                    lambda msgs: chat_token_count(msgs, tok), dc.synthetic_lengths)
         reader = None
     else:
         records = reader = RecordReader(dc, bad)
@@ -86,6 +86,18 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict) -> list[S
     return samples
 
 
+def documents_per_row(counts: list[int]) -> dict:
+    """Mean, min, max and a histogram ({documents: rows}) of the documents packed into each row:
+    with several a row, attention runs per document (model/packed_attention.py)."""
+    if not counts:
+        return {"mean": 0.0, "min": 0, "max": 0, "histogram": {}}
+    hist: dict[str, int] = {}
+    for c in sorted(counts):
+        hist[str(c)] = hist.get(str(c), 0) + 1
+    return {"mean": round(sum(counts) / len(counts), 3), "min": min(counts), "max": max(counts),
+            "histogram": hist}
+
+
 def prepare(cfg: Config, out_dir: str | Path) -> dict:
     """Prepare cfg.data into out_dir (replacing it only on success); return the stats written."""
     dc, length = cfg.data, cfg.data.max_seq_length
@@ -97,6 +109,7 @@ def prepare(cfg: Config, out_dir: str | Path) -> dict:
         meta = {"vocab_size": model_config.vocab_size,
                 "pad_token_id": getattr(model_config, "pad_token_id", None),
                 "source": "random", "format": "token_ids"}
+        docs_per_row = [1] * n
         stats.update(format="token_ids", records=0, skipped={}, truncated_samples=0,
                      dropped_untrainable_samples=0, samples=n,
                      sample_length_histogram=length_histogram([length] * n))
@@ -112,12 +125,14 @@ def prepare(cfg: Config, out_dir: str | Path) -> dict:
         n = len(plan)
         rows = iter_rows(samples, plan, length, tok.pad_token_id)
         pad_counts = [length - sum(len(samples[i]) for i in row) for row in plan]
+        docs_per_row = [len(row) for row in plan]
     with DatasetWriter(out_dir, n, length) as writer:
         for i, (ids, labels, pos) in enumerate(rows):
             writer.write(i, ids, labels, pos)
             tally.add(ids, labels, pad_counts[i])
         stats.update(rows=n, tokens=tally.tokens, trainable_tokens=tally.trainable,
                      padding_tokens=tally.padding,
-                     packing_efficiency=round(tally.tokens / (n * length), 4))
+                     packing_efficiency=round(tally.tokens / (n * length), 4),
+                     documents_per_row=documents_per_row(docs_per_row))
         writer.commit(meta, {"stats.json": stats})
     return stats

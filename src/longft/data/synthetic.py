@@ -9,6 +9,13 @@ is as long as fits in max_seq_length: the length is measured with the real token
 `count_tokens`), guided by the tokens per document measured so far, so a sample takes a few
 tokenizations. Sample i depends only on (seed, i): the same seed gives identical data, and more
 samples extend the list without changing the first ones.
+
+Sample lengths (`data.synthetic_lengths`): `full` fills every sample to max_seq_length (one
+document a row); `mixed` (the default) draws each sample's length from `sample_length`: log-uniform
+from MIN_MIXED_TOKENS (1,024, or max_seq_length / 2 when that is shorter) up to max_seq_length, so
+there are as many samples between 1K and 2K tokens as between 8K and 16K, the shape of long chat
+records such as LongCite-45K's (a thousand to tens of thousands of tokens each). Packed, a row then
+holds several documents (1.8 on average at 4K, 2.9 at 16K, 4.8 at 128K, before packing losses).
 """
 
 from __future__ import annotations
@@ -125,8 +132,25 @@ def synthetic_sample(index: int, seed: int, max_len: int,
     return Record(f"synthetic sample {index}", "messages", messages=tuple(messages(lo)))
 
 
+MIN_MIXED_TOKENS = 1024
+LENGTHS = ("full", "mixed")
+
+
+def sample_length(index: int, seed: int, max_len: int) -> int:
+    """Sample `index`'s target length under `mixed`: log-uniform on [min(1024, max_len / 2),
+    max_len], drawn from (seed, index) alone."""
+    lo = min(MIN_MIXED_TOKENS, max_len // 2)
+    u = random.Random(f"longft-synthetic-length:{seed}:{index}").random()
+    return min(max_len, int(round(lo * (max_len / lo) ** u)))
+
+
 def synthetic_records(num_samples: int, max_len: int, seed: int,
-                      count_tokens: Callable[[list[dict]], int]) -> Iterator[Record]:
-    """num_samples chat records of the retrieval-with-citation task (see the module docstring)."""
+                      count_tokens: Callable[[list[dict]], int],
+                      lengths: str = "full") -> Iterator[Record]:
+    """num_samples chat records of the retrieval-with-citation task (see the module docstring),
+    each filled to max_len (`full`) or to its own `sample_length` (`mixed`)."""
+    if lengths not in LENGTHS:
+        raise ValueError(f"synthetic lengths must be one of {LENGTHS}, got {lengths!r}")
     for i in range(num_samples):
-        yield synthetic_sample(i, seed, max_len, count_tokens)
+        n = max_len if lengths == "full" else sample_length(i, seed, max_len)
+        yield synthetic_sample(i, seed, n, count_tokens)

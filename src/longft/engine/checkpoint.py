@@ -26,6 +26,7 @@ import shutil
 from pathlib import Path
 
 from longft.config.params import Config, to_dict
+from longft.errors import UserError
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -33,7 +34,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 _ZIP_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|file write failed")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written; the message says where and what to do."""
 
 

@@ -19,9 +19,14 @@ import shutil
 from pathlib import Path
 
 from longft.config.params import Config
+from longft.errors import UserError
 
 PEFT_PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+
+
+class ExportError(UserError, ValueError):
+    """LoRA adapters that `output.export_lora: merged` cannot merge; the message says the fix."""
 
 
 def lora_layers(model) -> dict[str, tuple[str, float, bool]]:
@@ -33,7 +38,7 @@ def lora_layers(model) -> dict[str, tuple[str, float, bool]]:
             continue
         for adapter in m.lora_A.keys():
             if getattr(m, "use_dora", {}).get(adapter):
-                raise ValueError(f"{name}: DoRA adapters cannot be merged by longft; use "
+                raise ExportError(f"{name}: DoRA adapters cannot be merged by longft; use "
                                  "output.export_lora: adapter")
             out[name] = (adapter, float(m.scaling[adapter]), bool(getattr(m, "fan_in_fan_out", False)))
     return out
@@ -54,7 +59,7 @@ def merge_lora(sd: dict, layers: dict[str, tuple[str, float, bool]]) -> dict:
         if lora_bias is not None:
             bias = sd.get(f"{mod}.base_layer.bias")
             if bias is None:
-                raise ValueError(f"{mod}: a LoRA bias on a layer without bias cannot be merged")
+                raise ExportError(f"{mod}: a LoRA bias on a layer without bias cannot be merged")
             merged[f"{mod}.base_layer.bias"] = (bias.float() + scale * lora_bias.float()).to(bias.dtype)
     out = {}
     for k, v in sd.items():

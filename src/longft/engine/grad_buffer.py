@@ -19,11 +19,13 @@ unmanaged gradient accumulation, `offload_states` / `reload_states`, DeepCompile
 
 from __future__ import annotations
 
+from longft.errors import UserError
+
 MAP = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
-class GradBufferError(RuntimeError):
-    pass
+class GradBufferError(UserError, RuntimeError):
+    """zero.host_grad_buffer: shared asked for where the slot cannot be shared; says the fix."""
 
 
 def share(optimizer) -> int:

@@ -1,5 +1,8 @@
 """The training loop on one rank: build the model (ZeRO-3 partitioned as it is created), patch it,
 hand it to DeepSpeed, run `train.iterations` optimizer steps and log every one to runs/train.
+
+`train` = `setup` (everything before the first step, returned as a `Session`) -> `loop` (the
+steps, checkpoints, export, the run log's "end" record) -> a barrier.
 """
 
 from __future__ import annotations
@@ -9,14 +12,19 @@ import math
 import os
 import platform
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
-from longft.model import attention, patches as patch
+from longft.model import attention, packed_attention, patches as patch
 from longft.engine import checkpoint, grad_buffer, stop
 from longft.config.params import Config
+from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
 from longft.engine.export import export
+from longft.errors import UserError
 from longft.model.loading import build_model
 from longft.measure.monitor import gpu_inventory
 from longft.measure.progress import LayerProgress
@@ -24,7 +32,7 @@ from longft.measure.runlog import RunLog
 from longft.model.tiled_mlp import decoder_layers
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot go on; the message says at which step and what to change."""
 
 
@@ -38,10 +46,10 @@ def _pkg(name: str) -> str | None:
         return None
 
 
-def environment(cfg: Config, plan: dict) -> dict:
+def environment(cfg: Config, plan: Plan) -> dict:
     import torch
 
-    r = plan["resolved"]
+    r = plan.resolved
     cuda = torch.cuda.is_available()
     gpus = gpu_inventory() if cuda else []
     driver = gpus[0]["driver"] if gpus else None
@@ -52,17 +60,18 @@ def environment(cfg: Config, plan: dict) -> dict:
         "torch": torch.__version__, "deepspeed": _pkg("deepspeed"),
         "transformers": _pkg("transformers"), "liger_kernel": _pkg("liger-kernel"),
         "peft": _pkg("peft"), "python": platform.python_version(),
-        "precision": r["precision"]["value"], "attention": r["attention"]["value"],
-        "checkpointing": r["checkpointing"]["value"], "liger": r["liger"]["value"],
-        "tiled_mlp": r.get("tiled_mlp", {}).get("value", False),  # absent in older plans
-        "host_grad_buffer": r.get("host_grad_buffer", {}).get("value", "full"),
+        "precision": r.precision.value, "attention": r.attention.value,
+        "checkpointing": r.checkpointing.value, "liger": r.liger.value,
+        "tiled_mlp": r.tiled_mlp.value, "host_grad_buffer": r.host_grad_buffer.value,
         "gpu_layers": cfg.checkpointing.gpu_layers,
         "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
         "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
         "micro_batch_size": cfg.train.micro_batch_size,
         "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.data.max_seq_length,
         "model_name": cfg.model.name, "model_source": cfg.model.source,
-        "n_params": plan["model"]["n_params"], "lora_rank": cfg.lora.rank,
+        "n_params": plan.model.n_params, "lora_rank": cfg.lora.rank,
+        # the rendezvous port the launcher gave the ranks (hardware.master_port auto: picked then)
+        "master_port": int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None,
     }
 
 
@@ -104,28 +113,28 @@ def _batches(loader, sampler: SkipFirst, start: int = 0):
         epoch += 1
 
 
-def _build(cfg: Config, plan: dict, ds: dict):
+def _build(cfg: Config, plan: Plan, ds: dict):
     import torch
 
-    r = plan["resolved"]
-    dtype = getattr(torch, DTYPES[r["precision"]["value"]])
+    r = plan.resolved
+    dtype = getattr(torch, DTYPES[r.precision.value])
     keep = None
     if cfg.zero.stage == 3:
         # While this object lives, from_config/from_pretrained create parameters inside
         # deepspeed.zero.Init: each rank only ever holds its shard.
         from transformers.integrations import HfDeepSpeedConfig
         keep = HfDeepSpeedConfig(ds)
-    model = build_model(cfg.model, r["attention"]["value"], dtype)
-    record = patch.apply(model, r["liger"]["value"], r["checkpointing"]["value"],
-                         r["sdpa_backend"]["value"], r.get("tiled_mlp", {}).get("value", False),
-                         cfg.kernels.tiled_mlp_tokens, cfg.checkpointing.keep_attention)
-    if record["replaced_modules"] != plan["patches"]["replaced_modules"]:
+    model = build_model(cfg.model, r.attention.value, dtype)
+    record = patch.apply(model, r.liger.value, r.checkpointing.value, r.sdpa_backend.value,
+                         r.tiled_mlp.value, cfg.kernels.tiled_mlp_tokens,
+                         cfg.checkpointing.keep_attention, r.packed_attention.value)
+    if record["replaced_modules"] != plan.patches.replaced_modules:
         raise TrainingError(f"patched modules differ from the plan: {record['replaced_modules']} vs "
-                            f"{plan['patches']['replaced_modules']}; re-run `dvc repro patch`")
-    if r["liger"]["value"] and cfg.zero.stage == 3:
+                            f"{dict(plan.patches.replaced_modules)}; re-run `dvc repro patch`")
+    if r.liger.value and cfg.zero.stage == 3:
         patch.zero3_gather_lm_head(model)
     offloader = None
-    if r["checkpointing"]["value"] == "cpu_offload":
+    if r.checkpointing.value == "cpu_offload":
         offloader = patch.offload_checkpoints(model, cfg.checkpointing.gpu_layers)
     if cfg.lora.rank > 0:
         from peft import LoraConfig, get_peft_model
@@ -135,20 +144,44 @@ def _build(cfg: Config, plan: dict, ds: dict):
     return model, keep, offloader
 
 
-def _step(engine, batches, accum: int, pad_id: int, now, offloader) -> dict:
-    """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer."""
+PASSES_BOUNDARIES = ("varlen", "per_document", "flash_attention_2")
+"""Resolved kernels.packed_attention values whose kernels read the document boundaries."""
+
+
+def _doc_kwargs(batch: dict, pad_id: int, device, packed: bool) -> tuple[dict, int]:
+    """The document boundaries for the model (once per micro-batch; {} for one document a row or
+    an attention that takes none) and sum(L_i^2) over the micro-batch's documents' real tokens
+    (the tail padding, which continues the last document's positions, left out), for the
+    attention FLOPs, counted per document."""
+    pos = batch["position_ids"]
+    kw = packed_attention.batch_kwargs(pos) if packed else {}
+    kw = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in kw.items()}
+    sq = 0
+    for r in range(pos.shape[0]):
+        lengths = packed_attention.document_lengths(pos[r:r + 1])
+        pad = pos.shape[1] - real_tokens(batch["input_ids"][r:r + 1], batch["labels"][r:r + 1], pad_id)
+        lengths[-1] -= pad
+        sq += sum(n * n for n in lengths)
+    return kw, sq
+
+
+def _step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False) -> dict:
+    """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer.
+    `packed`: hand each micro-batch's document boundaries to the attention."""
     fwd = bwd = 0.0
-    losses, tokens, offloaded = [], 0, 0
+    losses, tokens, offloaded, doc_sq = [], 0, 0, 0
     skipped_before = engine.skipped_steps
     t0 = now()
     for micro in range(accum):
         cpu_batch = next(batches)
         tokens += real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
         b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
+        docs, sq = _doc_kwargs(cpu_batch, pad_id, engine.device, packed)
+        doc_sq += sq
         a = now()
         hooks = offloader.new_step() if offloader else None
         loss = engine(input_ids=b["input_ids"], labels=b["labels"],
-                      position_ids=b["position_ids"]).loss
+                      position_ids=b["position_ids"], **docs).loss
         offloaded = max(offloaded, hooks.offloaded_bytes if hooks else 0)
         c = now()
         engine.backward(loss)
@@ -162,10 +195,11 @@ def _step(engine, batches, accum: int, pad_id: int, now, offloader) -> dict:
     f = now()
     return dict(loss=sum(losses) / len(losses), lr=engine.get_lr()[0], tokens=tokens,
                 time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
-                skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded)
+                skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded,
+                doc_sq_tokens=doc_sq)
 
 
-def _first_step_warnings(rec: dict, offloader, patches: dict) -> None:
+def _first_step_warnings(rec: dict, offloader, patches: Patches) -> None:
     """A memory technique that was asked for but did nothing in the first step."""
     from longft.model.keep_attention import KeptKernels
 
@@ -173,7 +207,7 @@ def _first_step_warnings(rec: dict, offloader, patches: dict) -> None:
         print("longft: warning: checkpointing.mode cpu_offload moved nothing to the host in the "
               "first step (layer inputs under 1 MiB, or gradient checkpointing was re-enabled "
               "after the patch)", flush=True)
-    if patches.get("attention_kept_layers") and not KeptKernels.replayed_total:
+    if patches.attention_kept_layers and not KeptKernels.replayed_total:
         print("longft: warning: checkpointing.keep_attention kept no attention output in the first "
               "step (the attention ran on a kernel it cannot keep, e.g. SDPA's math fallback); it "
               "costs nothing but saves nothing either", flush=True)
@@ -198,7 +232,7 @@ def _stop(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved:
         where = ckpt_dir / f"step-{step}"
     log.write("end", status="interrupted", steps=step, signal=stop.name(signum),
               checkpoint=str(where) if where else None)
-    log.close()
+    log.close()  # now, not at the end of `with RunLog`: synced before the barrier below
     if rank == 0:
         then = ("run `dvc repro` (or the same command) again to resume" if where and cfg.output.resume
                 else "output.resume is false: the next run starts over" if where
@@ -210,18 +244,31 @@ def _stop(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved:
     raise stop.Stopped(signum, step)
 
 
-def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
-          ckpt_dir: Path | None, export_dir: Path | None = None,
-          stopper: stop.StopRequest | None = None) -> None:
-    """`stopper` (worker.py): SIGINT/SIGTERM stop the run after the current step, see stop.py."""
+@dataclass
+class Session:
+    """What `setup` hands the step loop: the DeepSpeed engine and what each step reads."""
+
+    engine: Any
+    model: Any  # the patched (and peft-wrapped) model inside the engine; its layers show progress
+    keep: Any  # HfDeepSpeedConfig under ZeRO-3, held here: transformers keeps only a weakref
+    offloader: Any  # checkpoint_offload.CheckpointOffload, or None
+    batches: Iterator[dict]  # CPU micro-batches, from the first one the resumed run has not seen
+    pad_id: int
+    fingerprint: str  # of the params, written with every checkpoint
+    start: int  # the step the run resumed after (0: a fresh run)
+    rank: int
+    world: int
+    cuda: bool
+
+
+def _init_distributed(cfg: Config, plan: Plan) -> tuple[int, int, bool]:
+    """This rank's device and process group, checked against params; (rank, world, cuda)."""
     import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
-    from torch.utils.data import DataLoader, DistributedSampler
-    from tqdm import tqdm
 
-    device = plan["resolved"]["device"]["value"]
+    device = plan.resolved.device.value
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -234,6 +281,12 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         total = torch.cuda.get_device_properties(local_rank).total_memory
         torch.cuda.set_per_process_memory_fraction(cfg.hardware.vram_limit_gib * 2**30 / total, local_rank)
     deepspeed.runtime.utils.set_random_seed(cfg.train.seed)
+    return rank, world, device == "cuda"
+
+
+def _loader(cfg: Config, data_dir: Path, rank: int, world: int, cuda: bool):
+    """(DataLoader, its SkipFirst sampler, pad id) over this rank's share of the prepared rows."""
+    from torch.utils.data import DataLoader, DistributedSampler
 
     data = PreparedDataset(data_dir)
     need = cfg.train.micro_batch_size * world
@@ -244,15 +297,15 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
                                  seed=cfg.train.seed, drop_last=True)
     sampler = SkipFirst(sampler)
     loader = DataLoader(data, batch_size=cfg.train.micro_batch_size, sampler=sampler,
-                        pin_memory=device == "cuda", num_workers=0)
+                        pin_memory=cuda, num_workers=0)
     pad_id = int(data.meta["pad_token_id"]) if data.meta.get("pad_token_id") is not None else -1
+    return loader, sampler, pad_id
 
-    model, _keep, offloader = _build(cfg, plan, ds)
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
-    cuda = device == "cuda"
 
-    fp = checkpoint.fingerprint(cfg)
+def _resume(engine, cfg: Config, ckpt_dir: Path | None, fp: str, loader, sampler: SkipFirst,
+            rank: int):
+    """(start step, micro-batches from there on): the newest complete checkpoint's engine state,
+    data position and RNG state when output.resume, else (0, from the first micro-batch)."""
     start = 0
     if ckpt_dir is not None and cfg.output.resume:
         start, client = checkpoint.resume(engine, ckpt_dir, fp, lambda m: rank == 0 and print(m))
@@ -266,84 +319,148 @@ def train(cfg: Config, plan: dict, ds: dict, data_dir: Path, run_dir: Path,
         checkpoint.set_rng_state(client.get("rng", {}))
         if rank == 0:
             print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
-    if plan["resolved"].get("host_grad_buffer", {}).get("value") == "shared":  # absent: older plans
-        try:
-            freed = grad_buffer.share(engine.optimizer)
-        except grad_buffer.GradBufferError as e:
-            raise TrainingError(str(e)) from None
-        if rank == 0:
-            print(f"longft: host gradient buffer shared: {freed / 2**30:.2f} GiB of host RAM per rank "
-                  "given back (zero.host_grad_buffer)", flush=True)
+    return start, batches
+
+
+def _share_grad_slot(engine, rank: int) -> None:
+    """zero.host_grad_buffer shared: one host gradient slot for all partitions (grad_buffer.py)."""
+    try:
+        freed = grad_buffer.share(engine.optimizer)
+    except grad_buffer.GradBufferError as e:
+        raise TrainingError(str(e)) from None
+    if rank == 0:
+        print(f"longft: host gradient buffer shared: {freed / 2**30:.2f} GiB of host RAM per rank "
+              "given back (zero.host_grad_buffer)", flush=True)
+
+
+def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | None) -> Session:
+    """Everything before the first step: process group, data loader, the model built (ZeRO-3
+    partitioned as it is created), patched and handed to DeepSpeed, the resumed state (when
+    output.resume finds a checkpoint) and the shared host gradient slot."""
+    import deepspeed
+    import torch
+
+    rank, world, cuda = _init_distributed(cfg, plan)
+    loader, sampler, pad_id = _loader(cfg, data_dir, rank, world, cuda)
+    model, keep, offloader = _build(cfg, plan, ds)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
+    fp = checkpoint.fingerprint(cfg)
+    start, batches = _resume(engine, cfg, ckpt_dir, fp, loader, sampler, rank)
+    if plan.resolved.host_grad_buffer.value == "shared":
+        _share_grad_slot(engine, rank)
     if cuda:
         # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
         # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
         # the OS nor reuses them (sizes differ). Give them back: GiBs of host RAM with offload_param.
         # (After resume, whose loading buffers would stay cached too.)
         getattr(torch._C, "_host_emptyCache", lambda: None)()
-    log = RunLog(run_dir, rank, resume_step=start)
-    if rank == 0 and not start:
-        log.write("env", **environment(cfg, plan))
+    return Session(engine=engine, model=model, keep=keep, offloader=offloader, batches=batches,
+                   pad_id=pad_id, fingerprint=fp, start=start, rank=rank, world=world, cuda=cuda)
+
+
+def _clock(cuda: bool):
+    """perf_counter after the GPU's queued work is done: what a step phase really took."""
+    import torch
 
     def now() -> float:
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+    return now
 
-    seq = cfg.data.max_seq_length
-    progress = LayerProgress(decoder_layers(model), enabled=rank == 0)
+
+def _log_step(s: Session, cfg: Config, plan: Plan, step: int, rec: dict, log: RunLog, bar) -> None:
+    """Step `step`'s "iter" record, the progress bar and (without a bar) a line every log_every;
+    a loss that is not finite stops the run."""
+    import torch
+
+    if not math.isfinite(rec["loss"]):
+        raise TrainingError(f"loss is {rec['loss']} at step {step}: training would go "
+                            f"on on garbage. Lower optim.lr, check the data, or use bf16")
+    rec.update(step=step, timed=step > cfg.train.warmup_iterations,
+               seq_tokens=cfg.grad_accum_steps * cfg.train.micro_batch_size * cfg.data.max_seq_length,
+               max_allocated_bytes=torch.cuda.max_memory_allocated() if s.cuda else None,
+               max_reserved_bytes=torch.cuda.max_memory_reserved() if s.cuda else None)
+    log.write("iter", **rec)
+    if step == s.start + 1 and s.rank == 0:
+        _first_step_warnings(rec, s.offloader, plan.patches)
+    if s.rank == 0:
+        bar.set_postfix(loss=f"{rec['loss']:.4f}",
+                        tok_s=f"{rec['tokens'] * s.world / rec['time_s']:.0f}")
+        if step % cfg.train.log_every == 0 and bar.disable:
+            print(f"step {step}/{cfg.train.iterations} loss {rec['loss']:.4f} "
+                  f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
+
+
+def _periodic_checkpoint(s: Session, cfg: Config, ckpt_dir: Path | None, step: int) -> bool:
+    """output.checkpoint_every (not after the last step: the final checkpoint follows); saved?"""
+    every = cfg.output.checkpoint_every
+    saved = bool(ckpt_dir is not None and every and step % every == 0
+                 and step < cfg.train.iterations)
+    if saved:
+        _save(s.engine, cfg, ckpt_dir, step, s.fingerprint)
+    return saved
+
+
+def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None,
+         export_dir: Path | None = None, stopper: stop.StopRequest | None = None) -> None:
+    """Steps start+1 .. train.iterations, each logged, with periodic checkpoints; then the final
+    checkpoint and the export. Ends the run log with status complete, failed (re-raised; a CUDA
+    out-of-memory as a TrainingError that says what to change) or interrupted (`_stop`)."""
+    import torch
+    from tqdm import tqdm
+
+    now = _clock(s.cuda)
+    progress = LayerProgress(decoder_layers(s.model), enabled=s.rank == 0)
     last_s = None
-    bar = tqdm(range(start + 1, cfg.train.iterations + 1), desc="train", unit="step",
-               initial=start, total=cfg.train.iterations, disable=rank != 0 or None)
-    step = start
+    bar = tqdm(range(s.start + 1, cfg.train.iterations + 1), desc="train", unit="step",
+               initial=s.start, total=cfg.train.iterations, disable=s.rank != 0 or None)
+    step = s.start
     try:
         # Forward and backward (with its recompute) both run under the pinned SDPA kernel order.
-        with attention.context(plan["resolved"]["sdpa_backend"]["value"]):
+        with attention.context(plan.resolved.sdpa_backend.value):
             for step in bar:
                 progress.start_step(last_s)
-                rec = _step(engine, batches, cfg.grad_accum_steps, pad_id, now, offloader)
+                rec = _step(s.engine, s.batches, cfg.grad_accum_steps, s.pad_id, now, s.offloader,
+                            plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
                 progress.end_step()
                 last_s = rec["time_s"]
-                if not math.isfinite(rec["loss"]):
-                    raise TrainingError(f"loss is {rec['loss']} at step {step}: training would go "
-                                        f"on on garbage. Lower optim.lr, check the data, or use bf16")
-                rec.update(step=step, timed=step > cfg.train.warmup_iterations,
-                           seq_tokens=cfg.grad_accum_steps * cfg.train.micro_batch_size * seq,
-                           max_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
-                           max_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
-                log.write("iter", **rec)
-                if step == start + 1 and rank == 0:
-                    _first_step_warnings(rec, offloader, plan["patches"])
-                if rank == 0:
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}",
-                                    tok_s=f"{rec['tokens'] * world / rec['time_s']:.0f}")
-                    if step % cfg.train.log_every == 0 and bar.disable:
-                        print(f"step {step}/{cfg.train.iterations} loss {rec['loss']:.4f} "
-                              f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
-                every = cfg.output.checkpoint_every
-                saved = bool(ckpt_dir is not None and every and step % every == 0
-                             and step < cfg.train.iterations)
-                if saved:
-                    _save(engine, cfg, ckpt_dir, step, fp)
-                if stopper is not None and (sig := stopper.agreed(engine.device)):
+                _log_step(s, cfg, plan, step, rec, log, bar)
+                saved = _periodic_checkpoint(s, cfg, ckpt_dir, step)
+                if stopper is not None and (sig := stopper.agreed(s.engine.device)):
                     bar.close()
-                    _stop(engine, cfg, ckpt_dir, step, fp, saved, sig, log, rank)
+                    _stop(s.engine, cfg, ckpt_dir, step, s.fingerprint, saved, sig, log, s.rank)
         if ckpt_dir is not None and cfg.output.save_checkpoint:
-            engine.save_checkpoint(str(ckpt_dir), tag="final")
+            s.engine.save_checkpoint(str(ckpt_dir), tag="final")
         if export_dir is not None:
-            export(engine, cfg, export_dir, step)
+            export(s.engine, cfg, export_dir, step)
     except stop.Stopped:
         raise
     except torch.OutOfMemoryError as e:
         log.write("end", status="failed", steps=step - 1, error=f"CUDA out of memory: {e}")
-        log.close()
         raise TrainingError(
-            f"CUDA out of memory at step {step}, sequence length {seq}, micro-batch "
-            f"{cfg.train.micro_batch_size}: lower data.max_seq_length or train.micro_batch_size, "
-            f"offload more (zero.offload_param: cpu) or keep checkpointing on") from None
+            f"CUDA out of memory at step {step}, sequence length {cfg.data.max_seq_length}, "
+            f"micro-batch {cfg.train.micro_batch_size}: lower data.max_seq_length or "
+            f"train.micro_batch_size, offload more (zero.offload_param: cpu) or keep checkpointing "
+            f"on") from None
     except BaseException as e:
         log.write("end", status="failed", steps=step - 1, error=f"{type(e).__name__}: {e}")
-        log.close()
         raise
     log.write("end", status="complete", steps=step)
-    log.close()
+
+
+def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
+          ckpt_dir: Path | None, export_dir: Path | None = None,
+          stopper: stop.StopRequest | None = None) -> None:
+    """One rank's run: `setup`, then `loop` logging to run_dir/rank<r>.jsonl, then a barrier so
+    no rank exits while others still write. `stopper` (worker.py): SIGINT/SIGTERM stop the run after
+    the current step, see stop.py."""
+    import torch.distributed as dist
+
+    s = setup(cfg, plan, ds, data_dir, ckpt_dir)
+    with RunLog(run_dir, s.rank, resume_step=s.start) as log:
+        if s.rank == 0 and not s.start:
+            log.write("env", **environment(cfg, plan))
+        loop(s, cfg, plan, log, ckpt_dir, export_dir, stopper)
     dist.barrier()

@@ -14,11 +14,13 @@ import sys
 import warnings
 from pathlib import Path
 
-from longft.engine.checkpoint import CheckpointError, disk_full_message
-from longft.config.params import ConfigError, load
+from longft.config.params import load
+from longft.config.plan import Plan
+from longft.engine.checkpoint import disk_full_message
 from longft.engine.opbuild import diagnose
 from longft.engine.stop import StopRequest, Stopped
-from longft.engine.trainer import TrainingError, train
+from longft.engine.trainer import train
+from longft.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,14 +45,14 @@ def _main(argv: list[str] | None, stopper: StopRequest) -> int:
                             category=FutureWarning)
     try:
         cfg = load(a.params)
-        plan = json.loads(Path(a.plan).read_text())
+        plan = Plan.read(a.plan)
         ds = json.loads(Path(a.ds_config).read_text())
         train(cfg, plan, ds, Path(a.data), Path(a.run),
               Path(a.checkpoints) if a.checkpoints else None,
               Path(a.export) if a.export else None, stopper)
     except Stopped as e:
         return e.exit_code  # 130 (SIGINT) / 143 (SIGTERM); rank 0 said where the checkpoint is
-    except (ConfigError, TrainingError, CheckpointError, ValueError) as e:
+    except UserError as e:  # params, data, model, hardware: the message says what to change
         print(f"longft train: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:

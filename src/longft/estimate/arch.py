@@ -8,14 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from longft.estimate.types import DS_SUB_GROUP_SIZE, Setup
+from longft.model.architecture import attention_dims
 
 
 def dims(arch: dict) -> dict:
     """The architecture numbers the formulas use, under short names (h, I, L, H, kv, d, V)."""
     h, heads = int(arch["hidden_size"]), int(arch["num_attention_heads"])
-    d = int(arch.get("head_dim") or h // heads)
+    d, kv = attention_dims(h, heads, arch.get("head_dim"), arch.get("num_key_value_heads"))
     return {"h": h, "I": int(arch["intermediate_size"]), "L": int(arch["num_hidden_layers"]),
-            "H": heads, "kv": int(arch.get("num_key_value_heads") or heads), "d": d,
+            "H": heads, "kv": kv, "d": d,
             "V": int(arch["vocab_size"]), "tied": bool(arch.get("tie_word_embeddings")),
             # Qwen2 has q/k/v biases without saying so in its config.
             "qkv_bias": bool(arch.get("attention_bias")) or arch.get("model_type") == "qwen2"}

@@ -26,6 +26,9 @@ and re-exports the names of the pieces it is built from:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from longft.config.plan import Resolved
 from longft.estimate.arch import numbers, param_numels, sub_groups, zero_knobs
 from longft.estimate.format import describe, format_table, gib, to_dict
 from longft.estimate.gpu import gpu_activation_items, gpu_state_items, layer_activation_bytes, reuse_layers
@@ -73,43 +76,36 @@ def estimate(arch: dict, s: Setup) -> Estimate:
                     host_peak_moment=host_phase)
 
 
-def _value(resolved: dict, key: str, default):
-    """A resolved choice as hardware.resolve returns it (Choice), as plan.json stores it
-    ({"value", "reason"}) or plain."""
-    v = resolved.get(key, default)
-    if isinstance(v, dict):
-        return v.get("value", default)
-    return getattr(v, "value", v)
-
-
-def setup_from_config(cfg, resolved: dict, world_size: int | None = None) -> Setup:
-    """The Setup of a validated Config whose `auto` values were resolved (plan.json "resolved")."""
+def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None = None) -> Setup:
+    """The Setup of a validated Config whose `auto` values were resolved: a Plan's `resolved`, or
+    what `Resolved.from_dict` reads (hardware.resolve's Choices, plan.json's dicts, plain values)."""
+    r = resolved if isinstance(resolved, Resolved) else Resolved.from_dict(resolved, "resolved")
     ws = world_size or cfg.world_size
     micro = cfg.train.micro_batch_size
     return Setup(
         micro_batch=micro, seq_len=cfg.data.max_seq_length, world_size=ws,
-        device=_value(resolved, "device", "cuda"),
+        device=r.device.value,
         ranks_per_node=max(1, min(cfg.hardware.num_gpus, ws)),
-        precision=_value(resolved, "precision", "bf16"),
-        attention=_value(resolved, "attention", "sdpa"),
-        sdpa_backend=_value(resolved, "sdpa_backend", "default"),
-        liger=bool(_value(resolved, "liger", False)),
-        checkpointing=_value(resolved, "checkpointing", "gpu"),
+        precision=r.precision.value,
+        attention=r.attention.value,
+        sdpa_backend=r.sdpa_backend.value,
+        liger=r.liger.value,
+        checkpointing=r.checkpointing.value,
         gpu_layers=cfg.checkpointing.gpu_layers,
         keep_attention=cfg.checkpointing.keep_attention,
-        tiled_mlp=bool(_value(resolved, "tiled_mlp", False)),
+        tiled_mlp=r.tiled_mlp.value,
         tile_tokens=cfg.kernels.tiled_mlp_tokens,
         expandable_segments=cfg.hardware.expandable_segments,
         zero_stage=cfg.zero.stage, offload_optimizer=cfg.zero.offload_optimizer == "cpu",
         offload_param=cfg.zero.offload_param == "cpu", overlap_comm=cfg.zero.overlap_comm,
         grad_accum=max(1, cfg.train.global_batch_size // (micro * ws)),
-        host_grad_buffer=_value(resolved, "host_grad_buffer", "full"),  # absent: older plans
-        # random rows are one document each; packed real data gets a block-diagonal mask
-        packed=cfg.data.pack and cfg.data.source != "random",
+        host_grad_buffer=r.host_grad_buffer.value,
+        # packed rows build a [seq x seq] mask only under kernels.packed_attention: mask
+        block_mask=r.packed_attention.value == "mask" and cfg.data.pack and cfg.data.source != "random",
         lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.target_modules))
 
 
-def estimate_for_plan(cfg, arch: dict, resolved: dict, world_size: int) -> dict:
+def estimate_for_plan(cfg, arch: Mapping, resolved: Resolved | Mapping, world_size: int) -> dict:
     """The memory estimate for artifacts/plan.json (JSON-able)."""
     return to_dict(estimate(arch, setup_from_config(cfg, resolved, world_size)))
 

@@ -17,8 +17,10 @@ FLOPs per token of a decoder-only transformer (one multiply-add = 2 FLOPs), with
 
 Embedding lookups, norms, rotary embeddings, activations and the softmax are left out (they are
 O(h) per token, not O(h^2)). With S << 6h this is close to the familiar 6 * n_params; at 128K tokens
-attention dominates. For packed sequences S is the packed length, an upper bound on the attention
-work when documents do not attend to each other.
+attention dominates. For packed rows, where each document attends only to itself, the attention work
+of a row is sum(L_i^2) / 2 pairs, so S is sum(L_i^2) / sum(L_i) over the documents' real tokens
+(metrics.summary.attention_length; the trainer logs sum(L_i^2) per step): packed rows are neither
+flattered nor penalised.
 
 MFU = tokens/s x FLOPs per token / (n_gpus x dense peak FLOPS of that GPU and dtype).
 PEAK_TFLOPS holds *dense* (no 2:4 sparsity) datasheet numbers; an unknown GPU gives None, never a
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import re
 from typing import Any, Mapping, Optional
+
+from longft.model.architecture import attention_dims
 
 _CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "vocab_size")
@@ -47,10 +51,8 @@ def _config_numbers(cfg: Any) -> dict[str, int]:
     if missing:
         raise ValueError(f"model config lacks {', '.join(missing)}: cannot count FLOPs per token")
     n = {k: int(get(k)) for k in _CONFIG_FIELDS}
-    kv = get("num_key_value_heads")
-    n["num_key_value_heads"] = int(kv) if kv is not None else n["num_attention_heads"]
-    hd = get("head_dim")
-    n["head_dim"] = int(hd) if hd is not None else n["hidden_size"] // n["num_attention_heads"]
+    n["head_dim"], n["num_key_value_heads"] = attention_dims(
+        n["hidden_size"], n["num_attention_heads"], get("head_dim"), get("num_key_value_heads"))
     return n
 
 
@@ -63,13 +65,13 @@ def matmul_params(cfg: Any) -> int:
     return n["num_hidden_layers"] * per_layer + h * n["vocab_size"]
 
 
-def attention_flops(cfg: Any, seq_len: int) -> int:
+def attention_flops(cfg: Any, seq_len: float) -> float:
     """Causal attention's forward FLOPs per token in one layer: 2 * S * d * a."""
     n = _config_numbers(cfg)
     return 2 * seq_len * n["head_dim"] * n["num_attention_heads"]
 
 
-def flops_per_token(cfg: Any, seq_len: int, training: bool = True) -> float:
+def flops_per_token(cfg: Any, seq_len: float, training: bool = True) -> float:
     """Model FLOPs per token (formula in the module docstring); x3 for a training step."""
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")

@@ -22,7 +22,7 @@ def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
     quadratic = s.attention == "eager" or (s.attention == "sdpa" and s.sdpa_backend == "math")
     # K/V heads repeated to H: eager, the efficient kernel (no enable_gqa) and any sdpa with a mask.
     expand = kv != H and (quadratic or (s.attention == "sdpa" and (
-        s.sdpa_backend == "efficient" or s.packed)))
+        s.sdpa_backend == "efficient" or s.block_mask)))
     k_saved = Hd if expand else kvd
     if s.liger:
         norms = 2 * x * h                                    # RMSNorm outputs (input is kept anyway)
@@ -137,7 +137,7 @@ def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
     act = layer_activation_bytes(arch, s)
     gpu("inputs + rotary cos/sin", T * (3 * 8 + 2 * x * d), FB,
         f"micro x seq x (3 int64 ids/labels/positions + 2 x {x} B x head_dim {d})")
-    if s.packed and s.attention in ("sdpa", "eager"):
+    if s.block_mask and s.attention in ("sdpa", "eager"):
         mb = 1 if s.attention == "sdpa" else x
         gpu("attention mask (packed rows)", s.micro_batch * s.seq_len ** 2 * mb, FB,
             f"micro x seq^2 x {mb} B (block-diagonal mask, shared by the layers)")

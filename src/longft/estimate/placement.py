@@ -186,8 +186,8 @@ def overlay(model: str, c: Candidate, gpus: int, shipped: bool) -> dict:
     model_sec = {"name": model, **({"source": "random"} if shipped else {})}
     return {
         "model": model_sec,
-        # the memory was planned for unpacked rows (packed rows under SDPA need a seq^2 mask)
-        "data": {"max_seq_length": s.seq_len, **({} if s.packed else {"pack": False})},
+        # packed or not: per-document attention needs no mask (kernels.packed_attention)
+        "data": {"max_seq_length": s.seq_len},
         "hardware": {"num_gpus": gpus},
         # both always written: the overlay is merged onto the user's params, whose values would
         # otherwise survive where the plan chose none

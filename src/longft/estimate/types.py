@@ -90,7 +90,8 @@ class Setup:
     overlap_comm: bool = True
     grad_accum: int = 1
     host_grad_buffer: str = "full"   # full | shared (grad_buffer.py): DeepSpeed's host gradient copy
-    packed: bool = False             # rows hold several documents: sdpa/eager get a [s x s] mask
+    block_mask: bool = False         # packed rows under transformers' dense [s x s] block mask
+                                     # (kernels.packed_attention: mask; per-document attention has none)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
 

@@ -19,6 +19,8 @@ class Hardware:
     cpu_count: int = 1
     flash_attn: bool = False
     liger: bool = False
+    varlen_attn: bool = False
+    """torch has torch.nn.attention.varlen.varlen_attn (2.10 and later): packed rows in one call."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -32,7 +34,8 @@ def detect() -> Hardware:
     host = psutil.virtual_memory().total / 2**30
     common = dict(host_mem_gib=round(host, 1), cpu_count=os.cpu_count() or 1,
                   flash_attn=importlib.util.find_spec("flash_attn") is not None,
-                  liger=importlib.util.find_spec("liger_kernel") is not None)
+                  liger=importlib.util.find_spec("liger_kernel") is not None,
+                  varlen_attn=importlib.util.find_spec("torch.nn.attention.varlen") is not None)
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         p = torch.cuda.get_device_properties(0)
         return Hardware(device="cuda", gpu_name=p.name, gpu_count=torch.cuda.device_count(),

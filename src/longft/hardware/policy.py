@@ -1,15 +1,17 @@
 """What hardware is here, and what every `auto` in params.yaml resolves to on it, with the reason.
 
-All hardware decisions happen in `resolve()`; each returns the value *and* why. Impossible requests
-(bf16 or FlashAttention-2 on a V100, a GPU asked for on a machine without one) are collected and
-raised together as a `PlanError` before any model is built. Tests pass a fake `Hardware`.
+All hardware decisions happen here: one `resolve_<knob>()` per knob returns its `Choice` (the value
+*and* why) and its problems, and `resolve()` calls them in order. Impossible requests (bf16 or
+FlashAttention-2 on a V100, a GPU asked for on a machine without one) are collected and raised
+together as a `PlanError` before any model is built. What the CPU cannot take is written once, in
+`longft.config.cpu_rules` (the config check applies it too). Tests pass a fake `Hardware`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from longft.config import cpu_rules
 from longft.config.params import Config, ConfigError
+from longft.config.plan import Choice
 from longft.hardware.machine import Hardware
 
 # Model families whose decoder layers Liger can patch (liger_kernel.transformers.monkey_patch).
@@ -26,182 +28,279 @@ class PlanError(ConfigError):
         super().__init__(problems, "params.yaml for this hardware")
 
 
-@dataclass(frozen=True)
-class Choice:
-    value: object
-    reason: str
-
-
 def resolve(cfg: Config, hw: Hardware, model_type: str) -> dict[str, Choice]:
-    """Resolve device, precision, attention, liger and checkpointing for `hw`; raise PlanError."""
-    problems: list[str] = []
+    """Resolve every knob for `hw`, in order; raise PlanError listing every problem at once."""
     out: dict[str, Choice] = {}
+    problems: list[str] = []
+
+    def put(key: str, resolved: tuple[Choice, list[str]]):
+        out[key], found = resolved
+        problems.extend(found)
+        return out[key].value
+
+    device = put("device", resolve_device(cfg, hw))
+    problems.extend(check_num_gpus(cfg, hw, device))
+    precision = put("precision", resolve_precision(cfg, hw, device))
+    attention = put("attention", resolve_attention(cfg, hw, device))
+    put("sdpa_backend", resolve_sdpa_backend(cfg, hw, device, attention))
+    put("packed_attention", resolve_packed_attention(cfg, hw, device, attention))
+    put("liger", resolve_liger(cfg, hw, device, model_type))
+    put("tiled_mlp", resolve_tiled_mlp(cfg))
+    put("checkpointing", resolve_checkpointing(cfg, device))
+    put("host_grad_buffer", resolve_host_grad_buffer(cfg, precision))
+    problems.extend(check_vram_limit(cfg, hw, device))
+    if problems:
+        raise PlanError(problems)
+    return out
+
+
+def _capability(hw: Hardware) -> str | None:
+    """The compute capability as the messages print it ("8.0"), None without a GPU."""
+    return f"{hw.capability[0]}.{hw.capability[1]}" if hw.capability else None
+
+
+def _ampere(hw: Hardware) -> bool:
+    """Compute capability >= 8.0: bf16, FlashAttention-2 and SDPA's flash kernel."""
+    return hw.capability is not None and hw.capability >= (8, 0)
+
+
+def resolve_device(cfg: Config, hw: Hardware) -> tuple[Choice, list[str]]:
+    """cuda or cpu; a GPU asked for on a machine without one is a problem (then cpu)."""
     h = cfg.hardware
-    cap = hw.capability
-    cap_s = f"{cap[0]}.{cap[1]}" if cap else None
-
-    # device
     if h.device == "cuda" and hw.device != "cuda":
-        problems.append("hardware.device: cuda was asked for but no CUDA GPU is visible "
-                        "(check `nvidia-smi`, CUDA_VISIBLE_DEVICES, `docker run --gpus all`); "
-                        "set hardware.device: auto or cpu to run on the CPU")
-        device = "cpu"
-    elif h.device == "auto":
-        device = hw.device
-        out["device"] = Choice(device, f"auto: {'a CUDA GPU is visible (' + str(hw.gpu_name) + ')' if device == 'cuda' else 'no CUDA GPU visible; DeepSpeed CPU accelerator with gloo'}")
-    else:
-        device = h.device
-    out.setdefault("device", Choice(device, f"set in params ({h.device})"))
+        return Choice("cpu", f"set in params ({h.device})"), [
+            "hardware.device: cuda was asked for but no CUDA GPU is visible "
+            "(check `nvidia-smi`, CUDA_VISIBLE_DEVICES, `docker run --gpus all`); "
+            "set hardware.device: auto or cpu to run on the CPU"]
+    if h.device == "auto":
+        why = (f"a CUDA GPU is visible ({hw.gpu_name})" if hw.device == "cuda"
+               else "no CUDA GPU visible; DeepSpeed CPU accelerator with gloo")
+        return Choice(hw.device, f"auto: {why}"), []
+    return Choice(h.device, f"set in params ({h.device})"), []
 
+
+def check_num_gpus(cfg: Config, hw: Hardware, device: str) -> list[str]:
+    """hardware.num_gpus against the GPUs (one node) or the cores (CPU workers) that are here."""
+    h = cfg.hardware
     if device == "cuda" and h.num_nodes == 1 and h.num_gpus > hw.gpu_count:
-        problems.append(f"hardware.num_gpus: {h.num_gpus} asked for but only {hw.gpu_count} GPU(s) "
-                        f"visible; set hardware.num_gpus <= {hw.gpu_count}")
+        return [f"hardware.num_gpus: {h.num_gpus} asked for but only {hw.gpu_count} GPU(s) "
+                f"visible; set hardware.num_gpus <= {hw.gpu_count}"]
     if device == "cpu" and h.num_gpus > hw.cpu_count:
-        problems.append(f"hardware.num_gpus: {h.num_gpus} CPU workers asked for on {hw.cpu_count} "
-                        f"cores; set hardware.num_gpus <= {hw.cpu_count}")
+        return [f"hardware.num_gpus: {h.num_gpus} CPU workers asked for on {hw.cpu_count} "
+                f"cores; set hardware.num_gpus <= {hw.cpu_count}"]
+    return []
 
-    # precision
+
+def resolve_precision(cfg: Config, hw: Hardware, device: str) -> tuple[Choice, list[str]]:
+    """auto: bf16 on CPU and on compute capability >= 8.0, fp16 (dynamic loss scaling) below."""
     p = cfg.precision
     if device == "cpu":
-        if p == "fp16":
-            problems.append("precision: fp16 is not supported on CPU; use bf16 or fp32 (or auto)")
-        out["precision"] = Choice("bf16" if p == "auto" else p,
-                                  "auto: bf16 on CPU (fp16 has no CPU kernels)" if p == "auto"
-                                  else "set in params")
-    else:
-        bf16_ok = cap is not None and cap >= (8, 0)
         if p == "auto":
-            out["precision"] = Choice("bf16" if bf16_ok else "fp16",
-                                      f"auto: compute capability {cap_s} "
-                                      + ("supports bf16" if bf16_ok else "< 8.0 has no bf16; fp16 with dynamic loss scaling"))
-        else:
-            if p == "bf16" and not bf16_ok:
-                problems.append(f"precision: bf16 needs compute capability >= 8.0 but {hw.gpu_name} "
-                                f"is {cap_s}; use fp16 (dynamic loss scaling) or auto")
-            out["precision"] = Choice(p, "set in params")
+            return Choice("bf16", "auto: bf16 on CPU (fp16 has no CPU kernels)"), []
+        return Choice(p, "set in params"), cpu_rules.precision(p)
+    bf16_ok = _ampere(hw)
+    if p == "auto":
+        why = "supports bf16" if bf16_ok else "< 8.0 has no bf16; fp16 with dynamic loss scaling"
+        return Choice("bf16" if bf16_ok else "fp16",
+                      f"auto: compute capability {_capability(hw)} {why}"), []
+    if p == "bf16" and not bf16_ok:
+        return Choice(p, "set in params"), [
+            f"precision: bf16 needs compute capability >= 8.0 but {hw.gpu_name} "
+            f"is {_capability(hw)}; use fp16 (dynamic loss scaling) or auto"]
+    return Choice(p, "set in params"), []
 
-    # attention
-    a = cfg.kernels.attention
-    fa2_ok = device == "cuda" and cap is not None and cap >= (8, 0) and hw.flash_attn
+
+def resolve_attention(cfg: Config, hw: Hardware, device: str) -> tuple[Choice, list[str]]:
+    """auto: FlashAttention-2 where flash-attn is installed on compute capability >= 8.0, else SDPA."""
+    a, cap_s = cfg.kernels.attention, _capability(hw)
     if a == "auto":
-        if fa2_ok:
-            out["attention"] = Choice("flash_attention_2", f"auto: flash-attn installed, capability {cap_s} >= 8.0")
-        elif device == "cuda" and cap is not None and cap >= (8, 0):
-            out["attention"] = Choice("sdpa", "auto: flash-attn not installed; PyTorch SDPA")
-        elif device == "cuda":
-            out["attention"] = Choice("sdpa", f"auto: capability {cap_s} < 8.0 cannot run FlashAttention-2; PyTorch SDPA (memory-efficient kernel)")
-        else:
-            out["attention"] = Choice("sdpa", "auto: CPU; PyTorch SDPA")
-    else:
-        if a == "flash_attention_2":
-            if device != "cuda":
-                problems.append("kernels.attention: flash_attention_2 needs a CUDA GPU; use sdpa")
-            elif cap is not None and cap < (8, 0):
-                problems.append(f"kernels.attention: flash_attention_2 needs compute capability >= 8.0 "
-                                f"but {hw.gpu_name} is {cap_s}; use sdpa (or auto)")
-            elif not hw.flash_attn:
-                problems.append("kernels.attention: flash_attention_2 asked for but flash-attn is not "
-                                "installed; `pip install longft[flash]` (the Ampere image has it) or use sdpa")
-        out["attention"] = Choice(a, "set in params")
-
-    # SDPA kernel (only meaningful when attention is sdpa)
-    sb = cfg.kernels.sdpa_backend
-    attn = out["attention"].value
-    if attn != "sdpa":
-        out["sdpa_backend"] = Choice("default", f"attention is {attn}, not sdpa")
-    elif sb == "auto":
+        if device == "cuda" and _ampere(hw) and hw.flash_attn:
+            return Choice("flash_attention_2",
+                          f"auto: flash-attn installed, capability {cap_s} >= 8.0"), []
+        if device == "cuda" and _ampere(hw):
+            return Choice("sdpa", "auto: flash-attn not installed; PyTorch SDPA"), []
+        if device == "cuda":
+            return Choice("sdpa", f"auto: capability {cap_s} < 8.0 cannot run FlashAttention-2; "
+                                  "PyTorch SDPA (memory-efficient kernel)"), []
+        return Choice("sdpa", "auto: CPU; PyTorch SDPA"), []
+    problems: list[str] = []
+    if a == "flash_attention_2":
         if device != "cuda":
-            out["sdpa_backend"] = Choice("default", "auto: CPU; PyTorch's own choice")
-        elif cap is not None and cap >= (9, 0):
-            out["sdpa_backend"] = Choice("cudnn", f"auto: capability {cap_s}: cuDNN attention is "
-                                         "1.6-1.9x faster than the flash kernel on Hopper")
-        elif cap is not None and cap >= (8, 0):
-            out["sdpa_backend"] = Choice("flash", f"auto: capability {cap_s}: the flash kernel")
-        else:
-            out["sdpa_backend"] = Choice("efficient", f"auto: capability {cap_s} < 8.0 has no flash "
-                                         "or cuDNN kernel; memory-efficient kernel, K/V heads expanded")
-    else:
-        if sb in ("cudnn", "efficient") and device != "cuda":
-            problems.append(f"kernels.sdpa_backend: {sb} needs a CUDA GPU; use auto or default on CPU")
-        elif sb in ("flash", "cudnn") and device == "cuda" and cap is not None and cap < (8, 0):
-            problems.append(f"kernels.sdpa_backend: {sb} needs compute capability >= 8.0 but "
-                            f"{hw.gpu_name} is {cap_s}; use efficient (or auto)")
-        out["sdpa_backend"] = Choice(sb, "set in params")
+            problems = cpu_rules.attention(a)
+        elif hw.capability is not None and hw.capability < (8, 0):
+            problems = [f"kernels.attention: flash_attention_2 needs compute capability >= 8.0 "
+                        f"but {hw.gpu_name} is {cap_s}; use sdpa (or auto)"]
+        elif not hw.flash_attn:
+            problems = ["kernels.attention: flash_attention_2 asked for but flash-attn is not "
+                        "installed; `pip install longft[flash]` (the Ampere image has it) or use sdpa"]
+    return Choice(a, "set in params"), problems
 
-    # liger
+
+def resolve_sdpa_backend(cfg: Config, hw: Hardware, device: str,
+                         attention: str) -> tuple[Choice, list[str]]:
+    """The kernel SDPA tries first (only meaningful when attention is sdpa). auto: cuDNN on
+    Hopper, flash on Ampere, memory-efficient below, PyTorch's own choice on CPU."""
+    sb, cap, cap_s = cfg.kernels.sdpa_backend, hw.capability, _capability(hw)
+    if attention != "sdpa":
+        return Choice("default", f"attention is {attention}, not sdpa"), []
+    if sb == "auto":
+        if device != "cuda":
+            return Choice("default", "auto: CPU; PyTorch's own choice"), []
+        if cap is not None and cap >= (9, 0):
+            return Choice("cudnn", f"auto: capability {cap_s}: cuDNN attention is "
+                                   "1.6-1.9x faster than the flash kernel on Hopper"), []
+        if _ampere(hw):
+            return Choice("flash", f"auto: capability {cap_s}: the flash kernel"), []
+        return Choice("efficient", f"auto: capability {cap_s} < 8.0 has no flash "
+                                   "or cuDNN kernel; memory-efficient kernel, K/V heads expanded"), []
+    problems: list[str] = []
+    if device != "cuda":
+        problems = cpu_rules.sdpa_backend(sb)
+    elif sb in ("flash", "cudnn") and cap is not None and cap < (8, 0):
+        problems = [f"kernels.sdpa_backend: {sb} needs compute capability >= 8.0 but "
+                    f"{hw.gpu_name} is {cap_s}; use efficient (or auto)"]
+    return Choice(sb, "set in params"), problems
+
+
+def packed_rows(cfg: Config) -> bool:
+    """Whether rows can hold several documents (random rows and unpacked data hold one)."""
+    return cfg.data.pack and cfg.data.source != "random"
+
+
+PACKED_MEASURED = ("H200 (torch 2.11), fwd+bwd of one packed row (bench/results/"
+                   "h200-packed-attention-probe.json): at 128K 310 ms per document with cuDNN, "
+                   "440 ms varlen_attn, 574 ms for an unpacked row")
+
+
+def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
+                             attention: str) -> tuple[Choice, list[str]]:
+    """How attention runs over rows that pack several documents (model/packed_attention.py).
+    auto, by measurement: SDPA (cuDNN) per document on Hopper; torch's varlen_attn on Ampere
+    (SDPA's flash kernel is the fast one there, and varlen_attn runs it in one call; on the H200
+    varlen_attn and flash per document were within 5 %); SDPA per document on a V100 (the
+    memory-efficient kernel; varlen_attn needs >= 8.0) and on CPU."""
+    pa, cap_s = cfg.kernels.packed_attention, _capability(hw)
+    if not packed_rows(cfg):
+        why = "data.pack is false" if not cfg.data.pack else "random rows"
+        return Choice("none", f"{why}: one document a row, the single-sequence kernel"), []
+    if attention == "flash_attention_2":
+        if pa in ("varlen", "per_document"):
+            return Choice("flash_attention_2", "set in params"), [
+                f"kernels.packed_attention: {pa} is longft's SDPA-based attention, but "
+                "kernels.attention is flash_attention_2, which runs packed rows with flash-attn's "
+                "variable-length kernel itself; set kernels.packed_attention: auto or kernels.attention: sdpa"]
+        return Choice("flash_attention_2", "flash-attn's variable-length kernel, from the "
+                      "document boundaries (no mask)") if pa != "mask" else Choice("mask", "set in params"), []
+    if attention == "eager":
+        if pa in ("varlen", "per_document"):
+            return Choice(pa, "set in params"), [
+                f"kernels.packed_attention: {pa} needs kernels.attention sdpa (eager computes "
+                "the full score matrix itself); set kernels.attention: sdpa or packed_attention: auto"]
+        return Choice("mask", "eager attention: transformers' block mask (eager builds "
+                      "[seq x seq] scores anyway; use sdpa for long rows)"), []
+    varlen_ok = device == "cuda" and _ampere(hw) and hw.varlen_attn
+    if pa == "auto":
+        if device != "cuda":
+            return Choice("per_document", "auto: CPU; SDPA once per document"), []
+        if hw.capability is not None and hw.capability >= (9, 0):
+            return Choice("per_document", f"auto: capability {cap_s}: cuDNN SDPA per document "
+                          f"is the fastest exact kernel on Hopper ({PACKED_MEASURED})"), []
+        if varlen_ok:
+            return Choice("varlen", f"auto: capability {cap_s}: torch's varlen_attn (the flash "
+                          "kernel, one call for every document)"), []
+        return Choice("per_document", f"auto: capability {cap_s}: SDPA per document"
+                      + ("" if _ampere(hw) else " (memory-efficient kernel; varlen_attn needs >= 8.0)")
+                      + ("" if not _ampere(hw) or hw.varlen_attn else
+                         " (this torch has no varlen_attn)")), []
+    if pa == "varlen" and not varlen_ok:
+        why = ("a CUDA GPU" if device != "cuda" else f"compute capability >= 8.0 ({hw.gpu_name} "
+               f"is {cap_s})" if not _ampere(hw) else "torch >= 2.10 (torch.nn.attention.varlen)")
+        return Choice(pa, "set in params"), [
+            f"kernels.packed_attention: varlen needs {why}; use per_document (or auto)"]
+    return Choice(pa, "set in params"), []
+
+
+def resolve_liger(cfg: Config, hw: Hardware, device: str, model_type: str) -> tuple[Choice, list[str]]:
+    """auto: on with CUDA, liger-kernel installed and a model family Liger can patch."""
     lg = cfg.kernels.liger
     family_ok = model_type in LIGER_FAMILIES
     if lg == "auto":
         if device != "cuda":
-            out["liger"] = Choice(False, "auto: off on CPU (Liger kernels are Triton GPU kernels)")
-        elif not hw.liger:
-            out["liger"] = Choice(False, "auto: liger-kernel is not installed")
-        elif not family_ok:
-            out["liger"] = Choice(False, f"auto: model_type {model_type!r} has no Liger patch")
-        else:
-            out["liger"] = Choice(True, f"auto: CUDA and Liger supports {model_type!r}")
-    elif lg == "on":
-        if device != "cuda":
-            problems.append("kernels.liger: on needs a CUDA GPU; use auto or off")
-        elif not hw.liger:
-            problems.append("kernels.liger: on but liger-kernel is not installed; `pip install liger-kernel`")
-        elif not family_ok:
-            problems.append(f"kernels.liger: on but model_type {model_type!r} has no Liger patch "
-                            f"(supported: {', '.join(LIGER_FAMILIES)}); set off")
-        out["liger"] = Choice(True, "set in params")
-    else:
-        out["liger"] = Choice(False, "set in params")
+            return Choice(False, "auto: off on CPU (Liger kernels are Triton GPU kernels)"), []
+        if not hw.liger:
+            return Choice(False, "auto: liger-kernel is not installed"), []
+        if not family_ok:
+            return Choice(False, f"auto: model_type {model_type!r} has no Liger patch"), []
+        return Choice(True, f"auto: CUDA and Liger supports {model_type!r}"), []
+    if lg == "off":
+        return Choice(False, "set in params"), []
+    problems: list[str] = []
+    if device != "cuda":
+        problems = cpu_rules.liger(lg)
+    elif not hw.liger:
+        problems = ["kernels.liger: on but liger-kernel is not installed; `pip install liger-kernel`"]
+    elif not family_ok:
+        problems = [f"kernels.liger: on but model_type {model_type!r} has no Liger patch "
+                    f"(supported: {', '.join(LIGER_FAMILIES)}); set off"]
+    return Choice(True, "set in params"), problems
 
-    # sequence-tiled MLP
+
+def resolve_tiled_mlp(cfg: Config) -> tuple[Choice, list[str]]:
+    """auto: on from max_seq_length TILED_MLP_FROM, never with LoRA dropout."""
     tm = cfg.kernels.tiled_mlp
     # TiledMLP recomputes the MLP tile by tile in backward without restoring the RNG state: LoRA
     # dropout would draw other masks than the forward's, and the gradients would be wrong.
     dropout = cfg.lora.rank > 0 and cfg.lora.dropout > 0
     if tm == "on" and dropout:
-        problems.append(f"kernels.tiled_mlp: on cannot run with lora.dropout {cfg.lora.dropout} "
-                        "(its backward recomputes the MLP with new dropout masks); set "
-                        "lora.dropout: 0 or kernels.tiled_mlp: off")
+        return Choice(True, "set in params"), [
+            f"kernels.tiled_mlp: on cannot run with lora.dropout {cfg.lora.dropout} "
+            "(its backward recomputes the MLP with new dropout masks); set "
+            "lora.dropout: 0 or kernels.tiled_mlp: off"]
     if tm == "auto" and dropout:
-        out["tiled_mlp"] = Choice(False, "auto: off (lora.dropout > 0: the tiled backward would "
-                                         "draw new dropout masks)")
-    elif tm == "auto":
+        return Choice(False, "auto: off (lora.dropout > 0: the tiled backward would "
+                             "draw new dropout masks)"), []
+    if tm == "auto":
         long = cfg.data.max_seq_length >= TILED_MLP_FROM
-        out["tiled_mlp"] = Choice(long, f"auto: {'on' if long else 'off'} (max_seq_length "
-                                        f"{cfg.data.max_seq_length} {'>=' if long else '<'} {TILED_MLP_FROM})")
-    else:
-        out["tiled_mlp"] = Choice(tm == "on", "set in params")
+        return Choice(long, f"auto: {'on' if long else 'off'} (max_seq_length "
+                            f"{cfg.data.max_seq_length} {'>=' if long else '<'} {TILED_MLP_FROM})"), []
+    return Choice(tm == "on", "set in params"), []
 
-    # activation checkpointing
+
+def resolve_checkpointing(cfg: Config, device: str) -> tuple[Choice, list[str]]:
+    """auto: gpu (recompute each decoder layer; cpu_offload needs a GPU to offload from)."""
     m = cfg.checkpointing.mode
     if m == "auto":
-        out["checkpointing"] = Choice("gpu", "auto: recompute each decoder layer in backward, layer inputs kept on the device")
-    else:
-        if m == "cpu_offload" and device != "cuda":
-            problems.append("checkpointing.mode: cpu_offload needs a CUDA GPU; use gpu or none")
-        out["checkpointing"] = Choice(m, "set in params")
+        return Choice("gpu", "auto: recompute each decoder layer in backward, layer inputs kept "
+                             "on the device"), []
+    return Choice(m, "set in params"), cpu_rules.checkpointing(m) if device != "cuda" else []
 
-    # host gradient buffer (grad_buffer.py)
+
+def resolve_host_grad_buffer(cfg: Config, precision: str) -> tuple[Choice, list[str]]:
+    """auto: shared where one host slot is exact (why_not_shared_grad_buffer), else full."""
     hb, z = cfg.zero.host_grad_buffer, cfg.zero
     why_not = why_not_shared_grad_buffer(z.stage, z.offload_optimizer == "cpu", cfg.grad_accum_steps,
-                                  out["precision"].value)
-    if hb == "shared" and why_not:
-        problems.append(f"zero.host_grad_buffer: shared cannot run here: {'; '.join(why_not)}. "
-                        "Set it to auto or full")
+                                         precision)
     if hb == "auto":
-        out["host_grad_buffer"] = Choice("full" if why_not else "shared",
-                                         f"auto: full ({why_not[0]})" if why_not else
-                                         "auto: shared (ZeRO-3 offload, one micro-step per step)")
-    else:
-        out["host_grad_buffer"] = Choice(hb, "set in params")
+        return Choice("full" if why_not else "shared",
+                      f"auto: full ({why_not[0]})" if why_not else
+                      "auto: shared (ZeRO-3 offload, one micro-step per step)"), []
+    if hb == "shared" and why_not:
+        return Choice(hb, "set in params"), [
+            f"zero.host_grad_buffer: shared cannot run here: {'; '.join(why_not)}. "
+            "Set it to auto or full"]
+    return Choice(hb, "set in params"), []
 
-    if device == "cuda" and h.vram_limit_gib is not None and hw.gpu_mem_gib is not None \
-            and h.vram_limit_gib > hw.gpu_mem_gib:
-        problems.append(f"hardware.vram_limit_gib: {h.vram_limit_gib} is more than the "
-                        f"{hw.gpu_mem_gib} GiB of {hw.gpu_name}; lower it or set null")
 
-    if problems:
-        raise PlanError(problems)
-    return out
+def check_vram_limit(cfg: Config, hw: Hardware, device: str) -> list[str]:
+    """hardware.vram_limit_gib cannot be more than the GPU has, and means nothing without one
+    (also when device auto found none: the cap would be silently ignored)."""
+    v = cfg.hardware.vram_limit_gib
+    if device == "cpu" and cfg.hardware.device == "auto":
+        return [m + " (device auto found no CUDA GPU here)" for m in cpu_rules.vram_limit(v)]
+    if device == "cuda" and v is not None and hw.gpu_mem_gib is not None and v > hw.gpu_mem_gib:
+        return [f"hardware.vram_limit_gib: {v} is more than the "
+                f"{hw.gpu_mem_gib} GiB of {hw.gpu_name}; lower it or set null"]
+    return []
 
 
 def why_not_shared_grad_buffer(stage: int, offload_optimizer: bool, grad_accum: int, precision: str) -> list[str]:

@@ -15,6 +15,9 @@ from longft.atomic import write_text
 
 
 class RunLog:
+    """`with RunLog(run_dir, rank) as log:` - the file is flushed, synced and closed when the block
+    ends, also when it ends in an exception (the "end" record written before it is kept)."""
+
     def __init__(self, run_dir: Path, rank: int, resume_step: int = 0):
         """A fresh log, or (resume_step > 0) the old one cut back to its steps <= resume_step."""
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -40,6 +43,15 @@ class RunLog:
         self._f.flush()
 
     def close(self) -> None:
+        """Flush, sync and close; closing again does nothing."""
+        if self._f.closed:
+            return
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

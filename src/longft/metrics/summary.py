@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from longft.atomic import write_bytes
+from longft.config.plan import Plan, PlanFileError
 from longft.estimate.estimator import compare
 from longft.estimate.flops import flops_per_token, mfu, peak_flops
 from longft.metrics.plots import gib_timeline, memory_png, read_timeline, render_report, timeline_peaks
@@ -149,11 +150,26 @@ def _step_rows(ranks: dict[int, RankLog]) -> list[dict]:
             "tokens_per_s": sum(tokens) / latency if latency else None,
             "iter_latency_s": latency, "tokens": sum(tokens),
             "seq_tokens": sum(_num(x.get("seq_tokens")) or 0.0 for x in recs),
+            # sum of L_i^2 over the step's documents (real tokens); None in runs before it was logged
+            "doc_sq_tokens": None if any(x.get("doc_sq_tokens") is None for x in recs)
+            else sum(_num(x.get("doc_sq_tokens")) or 0.0 for x in recs),
             "timed": all(x.get("timed") is True for x in recs),
             "skipped": any(x.get("skipped") is True for x in recs),
             "t": _max(_num(x.get("t")) for x in recs), **phases,
         })
     return rows
+
+
+def attention_length(timed: list[dict], seq_len) -> Optional[float]:
+    """The S of the FLOPs formula (estimate/flops.py) for these steps: causal attention costs
+    sum(L_i^2) / 2 pairs per row, so per real token S = sum(L_i^2) / sum(L_i) over the documents
+    (the row length for one full document a row; less for packed rows, which are then neither
+    flattered nor penalised). Runs that did not log document lengths fall back to seq_len."""
+    sq = [r["doc_sq_tokens"] for r in timed]
+    tokens = sum(r["tokens"] for r in timed)
+    if sq and None not in sq and tokens > 0:
+        return sum(sq) / tokens
+    return float(seq_len) if seq_len else None
 
 
 def _peak_step(rows: list[dict], t_peak: Optional[float]) -> Optional[int]:
@@ -200,9 +216,10 @@ def _peak_dram(mon: dict, rows: list[dict]) -> dict:
                 _gib(_num(mon.get("sys_used_minus_baseline_peak_bytes")))}
 
 
-def summarize(run_dir: Path, plan: dict) -> tuple[dict, dict, list[dict]]:
+def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]:
     """(train metrics, environment, per-step loss rows) of a run directory; never raises on
-    partial or missing files: what is unknown is null and status is "incomplete"."""
+    partial or missing files: what is unknown is null and status is "incomplete" (no plan: no
+    FLOPs per token, MFU or memory prediction)."""
     run_dir = Path(run_dir)
     ranks = read_ranks(run_dir)
     env_rec = next((r.env for r in ranks.values() if r.env), None) or {}
@@ -223,10 +240,11 @@ def summarize(run_dir: Path, plan: dict) -> tuple[dict, dict, list[dict]]:
         return _r(statistics.median(vals), 4) if vals else None
 
     seq_len = env_rec.get("seq_len")
+    attn_len = attention_length(timed, seq_len)
     fpt = None
-    if plan.get("model_config") and seq_len:
+    if plan is not None and attn_len:
         try:
-            fpt = flops_per_token(plan["model_config"], int(seq_len))
+            fpt = flops_per_token(plan.model_config, attn_len)
         except (TypeError, ValueError) as e:
             log.warning("no FLOPs per token: %s", e)
     peak = peak_flops(env_rec.get("gpu_name"), env_rec.get("precision") or "")
@@ -261,6 +279,7 @@ def summarize(run_dir: Path, plan: dict) -> tuple[dict, dict, list[dict]]:
         "fwd_s": median_of("fwd_s"), "bwd_s": median_of("bwd_s"), "opt_s": median_of("opt_s"),
         "mfu": _r(mfu(tokens_per_s, fpt, n_gpus or 0, peak), 4),
         "flops_per_token": fpt,
+        "attention_length": _r(attn_len, 1),
         "peak_tflops_per_gpu": _r(peak / 1e12, 2) if peak else None,
         "peak_vram": _peak_vram(ranks, mon),
         "peak_dram": _peak_dram(mon, rows),
@@ -280,7 +299,7 @@ def summarize(run_dir: Path, plan: dict) -> tuple[dict, dict, list[dict]]:
         env["gpus"] = mon.get("gpus", [])
         env["host_memory_total_gib"] = _gib(_num(mon.get("sys_total_bytes")))
         env["host_cpu_count"] = mon.get("cpu_count")
-    est = (plan.get("memory_estimate") or {}).get("estimate")
+    est = plan.memory_estimate.estimate if plan is not None else None
     if est is not None:
         train["memory_prediction"] = compare(est, train)  # predicted vs measured, relative error
     return train, env, rows
@@ -339,15 +358,15 @@ def write_outputs(metrics_dir: Path, train: dict, env: dict, loss_rows: list[dic
     return paths
 
 
-def load_plan(path: Path) -> tuple[dict, str | None]:
-    """artifacts/plan.json (FLOPs per token, the memory prediction); ({}, why) when unusable."""
+def load_plan(path: Path) -> tuple[Plan | None, str | None]:
+    """artifacts/plan.json (FLOPs per token, the memory prediction); (None, why) when unusable."""
     try:
-        return json.loads(Path(path).read_text()), None
-    except (OSError, ValueError) as e:
-        return {}, e.__class__.__name__
+        return Plan.read(path), None
+    except PlanFileError as e:
+        return None, "; ".join(e.problems)
 
 
-def write_run_metrics(run_dir: Path, plan: dict, out: Path) -> dict:
+def write_run_metrics(run_dir: Path, plan: Plan | None, out: Path) -> dict:
     """Summarize the ranks' logs in run_dir and write the metrics outputs to out; returns train."""
     train, env, rows = summarize(run_dir, plan)
     write_outputs(out, train, env, rows, run_dir)

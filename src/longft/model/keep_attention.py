@@ -22,12 +22,20 @@ from torch.utils._pytree import tree_map_only
 
 
 def kernel_ops() -> set:
-    """The attention kernels whose outputs are kept: SDPA's fused kernels (CUDA and CPU) and
-    flash-attn's, where flash-attn registers them as torch ops (2.7 and later)."""
+    """The attention kernels whose outputs are kept: SDPA's fused kernels (CUDA and CPU), torch's
+    varlen_attn (packed rows, model/packed_attention.py) and flash-attn's, where flash-attn
+    registers them as torch ops (2.7 and later)."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    try:
+        import importlib
+
+        importlib.import_module("torch.nn.attention.varlen")  # registers torch_attn::_varlen_attn
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
+    except (ImportError, AttributeError, RuntimeError):  # torch < 2.10
+        pass
     for n in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
         try:
             ops.add(getattr(torch.ops.flash_attn, n).default)

@@ -11,13 +11,14 @@ import json
 from pathlib import Path
 
 from longft.config.params import ModelConfig
+from longft.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODELS_DIR = REPO_ROOT / "configs" / "models"
 BYTE_TOKENIZER = REPO_ROOT / "configs" / "tokenizers" / "byte"
 
 
-class ModelError(ValueError):
+class ModelError(UserError, ValueError):
     """A model or tokenizer that cannot be found or loaded; the message says what to change."""
 
 

@@ -110,19 +110,18 @@ def _varlen_signature() -> frozenset:
 def varlen(module, query, key, value, cu, longest: int, scaling):
     """torch's varlen_attn over all documents at once; [b, s, heads, d]."""
     from torch.nn.attention.varlen import varlen_attn
-    from transformers.integrations.sdpa_attention import repeat_kv
 
     b, h, s, d = query.shape
     params = _varlen_signature()
     extra = {}
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1 and "enable_gqa" not in params:  # torch < 2.13 has no GQA switch: repeat K/V
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    elif groups > 1:
+    # Fewer K/V heads than query heads: torch 2.13 asks for enable_gqa; torch 2.11's flash kernel
+    # takes them as they are (H200, 32 q / 8 kv heads: identical to repeated K/V,
+    # bench/results/h200-packed-attention-probe.json).
+    if getattr(module, "num_key_value_groups", 1) > 1 and "enable_gqa" in params:
         extra["enable_gqa"] = True
-    if "is_causal" in params:  # torch 2.10-2.12
+    if "is_causal" in params:  # the torch 2.10 signature
         extra["is_causal"] = True
-    else:  # torch 2.13: causal is a (-1, 0) window
+    else:  # torch 2.11 and later: causal is the window (-1, 0)
         extra["window_size"] = (-1, 0)
     q = query.transpose(1, 2).reshape(b * s, h, d)
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)

@@ -11,9 +11,14 @@ import importlib
 from collections import Counter
 from types import MethodType
 
-from longft.model import attention
+from longft.errors import UserError
+from longft.model import attention, packed_attention
 from longft.model.tiled_mlp import decoder_layers, skips_recompute
 from longft.model.tiled_mlp import tile_mlps as tiled_mlps
+
+
+class PatchError(UserError, ValueError):
+    """A knob this model or checkpointing mode cannot take; the message says what to change."""
 
 
 def _replaced_modules(model) -> dict[str, int]:
@@ -48,8 +53,11 @@ def rope_function(model) -> str:
 
 
 def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
-          tiled_mlp: bool = False, tile_tokens: int = 8192, keep_attention: int = 0) -> dict:
-    """Patch `model` in place; return the record of what was actually replaced."""
+          tiled_mlp: bool = False, tile_tokens: int = 8192, keep_attention: int = 0,
+          packed: str = "none") -> dict:
+    """Patch `model` in place; return the record of what was actually replaced. `packed` is the
+    resolved kernels.packed_attention: varlen / per_document install longft's per-document
+    attention (model/packed_attention.py); the other values leave attention as it is."""
     if liger:
         apply_liger(model)
     # after Liger: tiles run Liger's SwiGLU MLP; checkpointing here is always non-reentrant
@@ -62,6 +70,8 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
         # Non-reentrant: works with transformers 5 layers that return tensors, and with ZeRO-3.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     kept = _keep_attention(model, checkpointing, keep_attention, sdpa_backend)
+    if packed in packed_attention.KERNELS:
+        packed_attention.install(model, packed)
     return {
         "liger": liger,
         "replaced_modules": _replaced_modules(model),
@@ -73,6 +83,8 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
         "gqa": "repeat_kv" if sdpa_backend == "efficient" else "enable_gqa",
         "tiled_mlp_layers": tiled,
         "attention_kept_layers": kept,
+        "packed_attention": packed,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
     }
 
 
@@ -83,25 +95,25 @@ def _keep_attention(model, checkpointing: str, n: int, sdpa_backend: str = "defa
     layers = decoder_layers(model)
     impl = getattr(model.config, "_attn_implementation", None)
     if checkpointing not in ("gpu", "cpu_offload"):
-        raise ValueError(f"checkpointing.keep_attention is {n} but checkpointing is {checkpointing}:"
+        raise PatchError(f"checkpointing.keep_attention is {n} but checkpointing is {checkpointing}:"
                          " nothing is recomputed; set it to 0 or checkpoint (gpu or cpu_offload)")
     if n > len(layers):
-        raise ValueError(f"checkpointing.keep_attention is {n} but the model has {len(layers)} "
+        raise PatchError(f"checkpointing.keep_attention is {n} but the model has {len(layers)} "
                          f"decoder layers; use at most {len(layers)}")
     if not attention.fused_kernel(impl, sdpa_backend):
         what = "sdpa_backend math" if impl == "sdpa" else impl
-        raise ValueError(f"checkpointing.keep_attention needs a fused attention kernel (kernels."
+        raise PatchError(f"checkpointing.keep_attention needs a fused attention kernel (kernels."
                          f"attention sdpa with sdpa_backend other than math, or flash_attention_2) "
                          f"whose outputs can be kept, not {what}; set it to 0 or change the kernel")
     from longft.model.keep_attention import flash_attn_ops, keep_outputs
 
     if getattr(model.config, "attention_dropout", 0.0):
-        raise ValueError(f"checkpointing.keep_attention needs attention_dropout 0 (the model's is "
+        raise PatchError(f"checkpointing.keep_attention needs attention_dropout 0 (the model's is "
                          f"{model.config.attention_dropout}): a skipped kernel would not advance the "
                          "random state, and the recompute's later dropout masks would differ; set "
                          "it to 0 or set attention_dropout 0 in the model config")
     if impl == "flash_attention_2" and not flash_attn_ops():
-        raise ValueError("checkpointing.keep_attention with flash_attention_2 needs flash-attn 2.7 "
+        raise PatchError("checkpointing.keep_attention with flash_attention_2 needs flash-attn 2.7 "
                          "or later (its kernels as torch ops); upgrade flash-attn, use kernels."
                          "attention sdpa, or set it to 0")
     return keep_outputs(layers, n)
@@ -114,7 +126,7 @@ def offload_checkpoints(model, gpu_layers: int = 0):
 
     layers = decoder_layers(model)
     if gpu_layers > len(layers):
-        raise ValueError(f"checkpointing.gpu_layers is {gpu_layers} but the model has "
+        raise PatchError(f"checkpointing.gpu_layers is {gpu_layers} but the model has "
                          f"{len(layers)} decoder layers; use at most {len(layers)}")
     return CheckpointOffload(layers, gpu_layers)
 

@@ -21,16 +21,16 @@ from pathlib import Path
 from longft.atomic import write_json
 from longft.config.params import Config
 from longft.engine.stop import Relay, exit_code
+from longft.errors import UserError
 
 
-class LaunchError(RuntimeError):
-    pass
+class LaunchError(UserError, RuntimeError):
+    """The ranks cannot be launched as params ask (launcher, hostfile, nodes, host RAM)."""
 
 
-def command(cfg: Config, device: str, worker_args: list[str], port: int | None = None) -> list[str]:
-    """The launcher command line; `port` overrides hardware.master_port (e.g. when it is taken)."""
+def command(cfg: Config, device: str, worker_args: list[str], port: int) -> list[str]:
+    """The launcher command line, with rendezvous port `port` (from `master_port()`)."""
     h = cfg.hardware
-    port = h.master_port if port is None else port
     if h.launcher == "torchrun":
         if h.num_nodes > 1:
             raise LaunchError("hardware.launcher: torchrun here runs one node; use the deepspeed "
@@ -137,14 +137,41 @@ def follow_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
-def free_port(preferred: int) -> int:
-    """`preferred` if nothing listens on it here, else a free port the OS picks."""
+def master_port(cfg: Config) -> tuple[int, str]:
+    """The ranks' rendezvous port for this launch, and why.
+
+    auto: a port the OS reports free on this machine now, so two runs on one machine (a second
+    experiment, the tests beside a run) never collide with EADDRINUSE. An int is used as it is; on
+    one node a taken one is refused now (LaunchError) rather than failing the ranks' rendezvous
+    later. (On several nodes the port is opened on the hostfile's first host, which may not be
+    this one: a pinned port is not checked, and auto's is only known to be free here.)"""
+    h = cfg.hardware
+    if h.master_port == "auto":
+        return free_port(0), "hardware.master_port auto: free on this machine at launch"
+    if h.num_nodes == 1 and not port_free(h.master_port):
+        raise LaunchError(f"hardware.master_port: port {h.master_port} is in use on this machine "
+                          "(another run?); set hardware.master_port: auto to take a free one, or "
+                          "pin a port that is free")
+    return h.master_port, "hardware.master_port, pinned"
+
+
+def port_free(port: int) -> bool:
+    """Whether TCP `port` can be listened on here (on every address). A finished run's TIME_WAIT
+    connections do not count: torch's TCPStore binds with SO_REUSEADDR, and so does this probe."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", preferred))
-            return preferred
+            s.bind(("", port))
         except OSError:
-            pass
+            return False
+    return True
+
+
+def free_port(preferred: int = 0) -> int:
+    """`preferred` if it is free here (`port_free`), else (or for 0) a free port the OS picks.
+    Free when asked: nothing holds it for the caller, whose listener must bind it soon."""
+    if preferred and port_free(preferred):
+        return preferred
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]

@@ -9,20 +9,8 @@ from longft import hardware
 from longft.model import patches as patch
 from longft.config.params import Config, to_dict
 from longft.estimate.estimator import estimate_for_plan
+from longft.model.architecture import architecture
 from longft.model.loading import load_model_config
-
-ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-             "tie_word_embeddings", "max_position_embeddings")
-
-
-def architecture(model_config) -> dict:
-    arch = {k: getattr(model_config, k, None) for k in ARCH_KEYS}
-    if arch["head_dim"] is None:
-        arch["head_dim"] = arch["hidden_size"] // arch["num_attention_heads"]
-    if arch["num_key_value_heads"] is None:
-        arch["num_key_value_heads"] = arch["num_attention_heads"]
-    return arch
 
 
 def meta_model(model_config, attention: str):
@@ -51,8 +39,9 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     try:
         record = patch.apply(model, choices["liger"].value, choices["checkpointing"].value,
                              choices["sdpa_backend"].value, choices["tiled_mlp"].value,
-                             cfg.kernels.tiled_mlp_tokens, cfg.checkpointing.keep_attention)
-    except ValueError as e:  # a knob this model or mode cannot take (patch checks it)
+                             cfg.kernels.tiled_mlp_tokens, cfg.checkpointing.keep_attention,
+                             choices["packed_attention"].value)
+    except patch.PatchError as e:  # a knob this model or mode cannot take (patch checks it)
         raise hardware.PlanError([str(e)]) from None
     n_params = sum(p.numel() for p in model.parameters())
     arch = architecture(mc)

@@ -22,6 +22,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 class StageFailed(RuntimeError):
+    """A stage exited non-zero. Not a UserError: the stage already printed why (a user error's
+    message, or a bug's traceback), and `output` holds it; this only says which stage and its code."""
+
     def __init__(self, name: str, code: int, output: str):
         self.name, self.code, self.output = name, code, output
         super().__init__(f"stage {name} exited {code}:\n" + "\n".join(output.splitlines()[-15:]))

@@ -12,6 +12,7 @@ refused instead, with the numbers and the fixes. `hardware.host_mem_check: false
 from __future__ import annotations
 
 from longft.config.params import Config
+from longft.config.plan import Plan
 from longft.estimate.types import GIB
 from longft.run.launch import LaunchError
 
@@ -21,14 +22,7 @@ class HostMemoryError(LaunchError):
     """The planned run needs more host RAM than this machine has available."""
 
 
-def _predicted(plan: dict) -> tuple[int, list[dict]] | None:
-    host = plan.get("memory_estimate", {}).get("estimate", {}).get("host")
-    if not isinstance(host, dict) or not isinstance(host.get("rss_bytes"), (int, float)):
-        return None
-    return int(host["rss_bytes"]), list(host.get("items", []))
-
-
-def host_memory(cfg: Config, plan: dict, available: int | None = None) -> str | None:
+def host_memory(cfg: Config, plan: Plan, available: int | None = None) -> str | None:
     """Raise HostMemoryError when the predicted peak host RAM exceeds what is available now.
 
     Returns a one-line note of the comparison (None when the check is off or the plan has no
@@ -36,10 +30,10 @@ def host_memory(cfg: Config, plan: dict, available: int | None = None) -> str | 
     """
     if not cfg.hardware.host_mem_check:
         return None
-    pred = _predicted(plan)
-    if pred is None:
+    need = plan.memory_estimate.host_rss_bytes
+    if need is None:
         return "host RAM check skipped: artifacts/plan.json has no host estimate (re-run the patch stage)"
-    need, items = pred
+    items = plan.memory_estimate.host_items
     if available is None:
         import psutil
 
@@ -50,18 +44,17 @@ def host_memory(cfg: Config, plan: dict, available: int | None = None) -> str | 
     if need <= available:
         return (f"host RAM: predicted peak {need / GIB:.2f} GiB (plan.json), "
                 f"{available / GIB:.2f} GiB available")
-    resolved = plan.get("resolved", {})
-    ckpt = resolved.get("checkpointing", {}).get("value", cfg.checkpointing.mode)
+    resolved = plan.resolved
     top = sorted((i for i in items if i.get("bytes")), key=lambda i: -i["bytes"])[:3]
     biggest = "; ".join(f"{i['name']} {i['bytes'] / GIB:.2f} GiB" for i in top)
     fixes = [f"lower data.max_seq_length ({cfg.data.max_seq_length}) or train.micro_batch_size "
              f"({cfg.train.micro_batch_size})"]
-    if ckpt == "cpu_offload":
+    if resolved.checkpointing.value == "cpu_offload":
         fixes.append("use checkpointing.mode: gpu instead of cpu_offload (activation checkpoints "
                      "stay in GPU memory)")
     if cfg.zero.offload_param == "cpu":
         fixes.append("set zero.offload_param: none (parameters stay in GPU memory)")
-    if cfg.zero.offload_optimizer == "cpu" and resolved.get("device", {}).get("value") == "cuda":
+    if cfg.zero.offload_optimizer == "cpu" and resolved.device.value == "cuda":
         fixes.append("set zero.offload_optimizer: none if the GPUs have room for the optimizer states")
     fixes.append("free host memory (close other jobs) or use a machine with more RAM")
     of_total = f" (of {total / GIB:.1f} GiB total)" if total else ""

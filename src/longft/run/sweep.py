@@ -29,6 +29,7 @@ import yaml
 
 from longft.atomic import write_text
 from longft.config.params import ConfigError, from_dict, merge
+from longft.errors import UserError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """Experiment names that are valid git ref components and need no shell quoting."""
@@ -38,7 +39,7 @@ START = ["queue", "start", "--jobs", "1"]
 """One run at a time: each takes the whole GPU box."""
 
 
-class SweepError(ValueError):
+class SweepError(UserError, ValueError):
     """Problems in a grid file; the message lists every one."""
 
     def __init__(self, problems: list[str], source: str):
