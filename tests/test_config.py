@@ -130,6 +130,48 @@ def test_file_errors(tmp_path):
         load(bad)
 
 
+def test_non_finite_floats_are_refused(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("optim:\n  lr: .nan\n  eps: .inf\n  betas: [0.9, nan]\n"
+                 "hardware:\n  vram_limit_gib: -.inf\n")
+    with pytest.raises(ConfigError) as e:
+        load(p)
+    assert e.value.problems == [
+        "hardware.vram_limit_gib: must be a finite number, got -inf; set a number",
+        "optim.lr: must be a finite number, got nan; set a number",
+        "optim.betas[1]: must be a finite number, got 'nan'; set a number",
+        "optim.eps: must be a finite number, got inf; set a number"]
+
+
+def test_seed_must_be_an_unsigned_32_bit_int():
+    for seed in (-1, 2**32):
+        with pytest.raises(ConfigError, match=rf"train.seed: must be in 0 .. 4294967295 .*got {seed}"):
+            from_dict({"train": {"seed": seed}})
+    assert from_dict({"train": {"seed": 0}}).train.seed == 0
+
+
+def test_duplicate_keys_are_refused_with_their_lines(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("optim:\n  lr: 1.0e-3\n  weight_decay: 0.0\n  lr: 2.0e-5\n")
+    with pytest.raises(ConfigError) as e:
+        load(p)
+    assert e.value.problems == ["key 'lr' is given twice (lines 2 and 4); only the last would "
+                                "count, so delete one of them"]
+    p.write_text("train: {seed: 1}\ntrain: {seed: 2}\n")
+    with pytest.raises(ConfigError, match=r"key 'train' is given twice \(lines 1 and 2\)"):
+        load(p)
+
+
+def test_empty_params_file_is_refused(tmp_path):
+    p = tmp_path / "params.yaml"
+    for text in ("", "# all commented out\n#train:\n#  seed: 1\n"):
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=r"params.yaml is empty; copy the shipped params.yaml"):
+            load(p)
+    p.write_text("{}\n")  # explicit: the defaults
+    assert load(p) == Config()
+
+
 def test_overrides_merge_deeply():
     base = to_dict(Config())
     out = merge(base, {"train": {"iterations": 3}})

@@ -201,8 +201,8 @@ def test_architecture_reads_every_key():
 
 
 def test_packed_attention_resolves_per_gpu_generation_by_measurement():
-    """auto: cuDNN SDPA per document on Hopper (measured fastest on the H200), torch's varlen_attn
-    on Ampere where torch has it, SDPA per document on a V100 and on CPU; none for rows of one
+    """auto: on Hopper cuDNN SDPA per document from 64K-token rows and varlen_attn below (measured
+    end to end on the H200), torch's varlen_attn on Ampere where torch has it, SDPA per document on a V100 and on CPU; none for rows of one
     document; flash_attention_2 reads the boundaries itself; impossible requests refused."""
     import dataclasses
 
@@ -218,8 +218,12 @@ def test_packed_attention_resolves_per_gpu_generation_by_measurement():
     def packed(params, hw):
         return resolve(from_dict(params), hw, "llama")["packed_attention"]
 
-    c = packed({}, h200)
-    assert c.value == "per_document" and "cuDNN" in c.reason and "310 ms" in c.reason
+    c = packed({"data": {"max_seq_length": 131072}}, h200)
+    assert c.value == "per_document" and "cuDNN" in c.reason and "13,601" in c.reason
+    short = packed({"data": {"max_seq_length": 16384}}, h200)
+    assert short.value == "varlen" and "40,011" in short.reason
+    assert packed({"data": {"max_seq_length": 16384}},
+                  dataclasses.replace(h200, varlen_attn=False)).value == "per_document"
     assert packed({}, a100).value == "varlen"
     no_varlen = packed({}, dataclasses.replace(a100, varlen_attn=False))
     assert no_varlen.value == "per_document" and "no varlen_attn" in no_varlen.reason

@@ -99,8 +99,10 @@ def test_worker_prints_one_message_and_exits_2(monkeypatch, tmp_path, capsys, cp
 
     monkeypatch.setattr(ce, "verify_ninja_availability", lambda: (_ for _ in ()).throw(
         RuntimeError("Ninja is required to load C++ extensions")))
+    from test_plan_file import plan_dict  # tests/ is on sys.path under pytest
+
     monkeypatch.setattr(worker, "train", lambda *a, **k: cpu_adam.load())
-    (tmp_path / "p.json").write_text("{}")
+    (tmp_path / "p.json").write_text(json.dumps(plan_dict()))
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(to_dict(Config())))
     code = worker.main(["--params", str(params), "--plan", str(tmp_path / "p.json"),

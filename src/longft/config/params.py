@@ -15,7 +15,7 @@ from typing import Literal, Optional, Union
 import yaml
 
 from longft.config import cpu_rules
-from longft.config.typed_yaml import build_dataclass
+from longft.config.typed_yaml import DuplicateKeyError, build_dataclass, load_yaml
 from longft.errors import UserError
 
 
@@ -274,6 +274,9 @@ def _check(cfg: Config) -> list[str]:
             p.append(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                      f"train.micro_batch_size x GPUs ({t.micro_batch_size} x {cfg.world_size} = "
                      f"{per_step}); e.g. set it to {max(per_step, t.global_batch_size // per_step * per_step)}")
+    if not 0 <= t.seed < 2**32:
+        p.append(f"train.seed: must be in 0 .. {2**32 - 1} (numpy and DeepSpeed take an unsigned "
+                 f"32-bit seed), got {t.seed}; set a seed in that range")
     positive("optim.lr", o.lr)
     if o.weight_decay < 0:
         p.append(f"optim.weight_decay: must be >= 0, got {o.weight_decay}")
@@ -344,9 +347,15 @@ def load(path: str | Path = "params.yaml", overrides: Optional[dict] = None) -> 
         raise ConfigError([f"{path}: file not found; run from the repository root or pass its path"],
                           str(path))
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text())
+    except DuplicateKeyError as e:
+        raise ConfigError([e.problem], str(path)) from None
     except yaml.YAMLError as e:
         raise ConfigError([f"not valid YAML: {e}"], str(path)) from None
+    if raw is None:  # empty or only comments; an explicit `{}` still means "all defaults"
+        raise ConfigError([f"{path} is empty; copy the shipped params.yaml (`git show "
+                           f"HEAD:params.yaml > {path}`) and edit it, or write `{{}}` to run on "
+                           f"the defaults"], str(path))
     if overrides:
         raw = merge(raw, overrides)
     return from_dict(raw, str(path))

@@ -1,14 +1,18 @@
 """A YAML mapping into nested frozen dataclasses, checked against their type annotations (Literal,
 Optional, tuples, bool/int/float/str): every problem is collected with its dotted key, so a params
-file with several mistakes is reported in one go. Used by config.py.
+file with several mistakes is reported in one go. `load_yaml` reads the text itself, refusing a key
+given twice in one mapping (PyYAML keeps the last silently). Used by config/params.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Literal
+
+import yaml
 
 
 def type_name(tp) -> str:
@@ -64,13 +68,21 @@ def coerce(value, tp, key: str, problems: list[str]):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if math.isfinite(number):
+                return number
+            # .nan/.inf pass every `<= 0` range check (nan compares false) and only show up as a
+            # nan loss or a hang later; no knob means anything with them.
+            problems.append(f"{key}: must be a finite number, got {value!r}; set a number")
+            return None
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -106,3 +118,36 @@ def build_dataclass(cls, raw, prefix: str, problems: list[str]):
             if len(problems) == before:
                 kwargs[f.name] = v
     return cls(**kwargs)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping that names one key twice; `problem` names the key and both lines."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of keeping the last one."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: let SafeLoader report it
+                continue
+            seen.setdefault(key, line)
+            if first is not None:
+                raise DuplicateKeyError(
+                    f"key {key!r} is given twice (lines {first} and {line}); only the last would "
+                    f"count, so delete one of them")
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str):
+    """Parse YAML text like yaml.safe_load, but raise DuplicateKeyError on a repeated key."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)

@@ -12,6 +12,7 @@ precisely; `data.on_bad_record` decides whether it stops the run or is skipped a
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from longft.config.params import DataConfig
 from longft.data.errors import BadRecords, DataError
 
 FORMATS = ("messages", "prompt_completion", "text")
+ROLES = ("system", "user", "assistant", "tool")
+"""The chat roles a record may use (the OpenAI / Hugging Face chat-template set)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,11 @@ def _parse_messages(obj: dict, where: str) -> tuple[dict, ...]:
                        "missing_key")
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
             raise _bad(where, f"messages[{i}]: 'role' and 'content' must be strings", "wrong_type")
+        if m["role"] not in ROLES:  # a chat template renders an unknown role as nothing trained
+            close = difflib.get_close_matches(m["role"], ROLES, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise _bad(where, f"messages[{i}]: unknown role {m['role']!r}; {hint}known roles: "
+                       f"{', '.join(ROLES)}; fix the record's role", "unknown_role")
         out.append({"role": m["role"], "content": m["content"]})
     if not any(m["role"] == "assistant" for m in out):
         roles = sorted({m["role"] for m in out})

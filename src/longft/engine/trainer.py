@@ -61,6 +61,7 @@ def environment(cfg: Config, plan: Plan) -> dict:
         "transformers": _pkg("transformers"), "liger_kernel": _pkg("liger-kernel"),
         "peft": _pkg("peft"), "python": platform.python_version(),
         "precision": r.precision.value, "attention": r.attention.value,
+        "sdpa_backend": r.sdpa_backend.value, "packed_attention": r.packed_attention.value,
         "checkpointing": r.checkpointing.value, "liger": r.liger.value,
         "tiled_mlp": r.tiled_mlp.value, "host_grad_buffer": r.host_grad_buffer.value,
         "gpu_layers": cfg.checkpointing.gpu_layers,

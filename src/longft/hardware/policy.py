@@ -167,19 +167,23 @@ def packed_rows(cfg: Config) -> bool:
     return cfg.data.pack and cfg.data.source != "random"
 
 
-PACKED_MEASURED = ("H200 (torch 2.11), fwd+bwd of one packed row (bench/results/"
-                   "h200-packed-attention-probe.json): at 128K 310 ms per document with cuDNN, "
-                   "440 ms varlen_attn, 574 ms for an unpacked row")
+PER_DOCUMENT_FROM = 65536
+"""On Hopper, packed rows of at least this many tokens run cuDNN SDPA per document; shorter ones
+run torch's varlen_attn. Measured end to end on the H200 (BENCHMARKS.md, Llama-3.2-1B, commit
+31adfae): at 128K per document 13,601 tok/s, varlen 11,695 (unpacked rows 9,519); at 16K with
+micro-batch 4 (about 12 documents a micro-batch) varlen 40,011, per document 19,114 (unpacked
+35,733): cuDNN pays a set-up per new document length, which short documents cannot amortise."""
 
 
 def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
                              attention: str) -> tuple[Choice, list[str]]:
     """How attention runs over rows that pack several documents (model/packed_attention.py).
-    auto, by measurement: SDPA (cuDNN) per document on Hopper; torch's varlen_attn on Ampere
-    (SDPA's flash kernel is the fast one there, and varlen_attn runs it in one call; on the H200
-    varlen_attn and flash per document were within 5 %); SDPA per document on a V100 (the
-    memory-efficient kernel; varlen_attn needs >= 8.0) and on CPU."""
+    auto, by measurement (PER_DOCUMENT_FROM): on Hopper cuDNN SDPA per document from 64K-token
+    rows, torch's varlen_attn below; varlen_attn on Ampere (its flash kernel is the fast one
+    there; unmeasured on an Ampere card); SDPA per document on a V100 (the memory-efficient
+    kernel; varlen_attn needs >= 8.0) and on CPU."""
     pa, cap_s = cfg.kernels.packed_attention, _capability(hw)
+    seq = cfg.data.max_seq_length
     if not packed_rows(cfg):
         why = "data.pack is false" if not cfg.data.pack else "random rows"
         return Choice("none", f"{why}: one document a row, the single-sequence kernel"), []
@@ -202,9 +206,15 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
     if pa == "auto":
         if device != "cuda":
             return Choice("per_document", "auto: CPU; SDPA once per document"), []
-        if hw.capability is not None and hw.capability >= (9, 0):
-            return Choice("per_document", f"auto: capability {cap_s}: cuDNN SDPA per document "
-                          f"is the fastest exact kernel on Hopper ({PACKED_MEASURED})"), []
+        hopper = hw.capability is not None and hw.capability >= (9, 0)
+        if hopper and (seq >= PER_DOCUMENT_FROM or not varlen_ok):
+            return Choice("per_document", f"auto: capability {cap_s}, rows of {seq:,} tokens: "
+                          "cuDNN SDPA per document (H200, 128K: 13,601 tok/s against 11,695 "
+                          "with varlen_attn)"), []
+        if hopper:
+            return Choice("varlen", f"auto: capability {cap_s}, rows of {seq:,} < "
+                          f"{PER_DOCUMENT_FROM:,} tokens: torch's varlen_attn (H200, 16K: 40,011 "
+                          "tok/s against 19,114 with cuDNN per document)"), []
         if varlen_ok:
             return Choice("varlen", f"auto: capability {cap_s}: torch's varlen_attn (the flash "
                           "kernel, one call for every document)"), []
