@@ -64,8 +64,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=5)
     a = ap.parse_args()
     rows = []
-    from torch.nn.attention.varlen import varlen_attn
     import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
     sig = sorted(inspect.signature(varlen_attn).parameters)
     print(json.dumps({"varlen_attn_params": sig}), flush=True)
     # does varlen_attn take fewer K/V heads than query heads as they are (flash-attn's GQA)?

@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from longft.model import attention
 from longft.config.params import ModelConfig
+from longft.model import attention
 from longft.model.loading import build_model
 from longft.model.patches import apply
 

@@ -20,9 +20,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from longft.engine.checkpoint import complete_steps, fingerprint
 from longft.config.params import ConfigError, load
 from longft.config.plan import Plan
+from longft.engine.checkpoint import complete_steps, fingerprint
 from longft.errors import UserError
 from longft.run.launch import command, environment, master_port, run
 from longft.run.preflight import host_memory

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from longft.config.params import Config, from_dict, merge, to_dict
+from longft.model.loading import check_context_length, load_model_config
 from longft.run.pipeline import REPO
 
 OVERLAYS = sorted((REPO / "bench" / "configs").glob("*.yaml"))
@@ -18,7 +19,9 @@ OVERLAYS = sorted((REPO / "bench" / "configs").glob("*.yaml"))
 def test_every_overlay_gives_valid_params(overlay):
     over = yaml.safe_load(overlay.read_text())
     assert over.pop("bench_note"), "each row says what it is"
-    from_dict(merge(to_dict(Config()), over), str(overlay))
+    cfg = from_dict(merge(to_dict(Config()), over), str(overlay))
+    # the model's positions cover the row length (patch and prepare refuse it otherwise)
+    check_context_length(load_model_config(cfg.model), cfg.data.max_seq_length, cfg.model.name)
 
 
 def test_write_params_writes_the_merge(tmp_path):

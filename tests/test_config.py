@@ -182,7 +182,9 @@ def test_overrides_merge_deeply():
 
 def test_config_is_frozen():
     cfg = from_dict({})
-    with pytest.raises(Exception):
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train.iterations = 5  # type: ignore[misc]
 
 

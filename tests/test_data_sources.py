@@ -66,9 +66,35 @@ def test_bad_json_line_error_names_file_and_line(tmp_path):
 def test_malformed_records_name_the_problem(tmp_path, bad, reason):
     fmt = "messages" if "messages" in bad else "prompt_completion"
     p = write_jsonl(tmp_path / "d.jsonl", [bad])
-    with pytest.raises(DataError, match=rf"d.jsonl:1: ") as e:
+    with pytest.raises(DataError, match=r"d.jsonl:1: ") as e:
         list(reader(p, format=fmt))
     assert e.value.reason == reason
+
+
+def test_unknown_role_is_refused_with_the_known_roles(tmp_path):
+    typo = {"messages": [{"role": "user", "content": "q"}, {"role": "asistant", "content": "a"}]}
+    p = write_jsonl(tmp_path / "d.jsonl", [CHAT, typo])
+    with pytest.raises(DataError) as e:
+        list(reader(p))
+    assert str(e.value) == (
+        f"{p}:2: messages[1]: unknown role 'asistant'; did you mean 'assistant'? known roles: "
+        "system, user, assistant, tool; fix the record's role (or set data.on_bad_record: skip "
+        "to skip and count such records)")
+    r = reader(p, mode="skip")
+    assert len(list(r)) == 1 and r.bad.counts == {"unknown_role": 1}
+
+
+def test_prepare_refuses_rows_longer_than_the_positions_before_generating(tmp_path):
+    from longft.model.loading import MODELS_DIR
+    arch = json.loads((MODELS_DIR / "tiny-llama.json").read_text())
+    arch["max_position_embeddings"] = 1024
+    (tmp_path / "short.json").write_text(json.dumps(arch))
+    cfg = from_dict({"model": {"name": str(tmp_path / "short.json")},
+                     "data": {"max_seq_length": 10_000_000, "num_samples": 1}})
+    with pytest.raises(ModelError, match=r"data.max_seq_length \(10000000\) is longer than the 1024 "
+                                         r"positions .*lower data.max_seq_length to at most 1024"):
+        prepare(cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_skip_mode_counts_bad_records_by_reason(tmp_path):

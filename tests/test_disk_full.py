@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from longft.engine.checkpoint import CheckpointError, _failed, complete_steps, fingerprint
 from longft.config.params import Config, load, merge, to_dict
+from longft.engine.checkpoint import CheckpointError, _failed, complete_steps, fingerprint
 from longft.run.launch import environment, free_port
 from longft.run.pipeline import run_all, run_stage, stage_commands
 

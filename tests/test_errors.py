@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from longft.config.params import ConfigError
+from longft.config.typed_yaml import DuplicateKeyError
 from longft.data.errors import DataError
 from longft.engine.checkpoint import CheckpointError
 from longft.engine.export import ExportError
@@ -32,7 +33,7 @@ USER_ERRORS = {ConfigError: ValueError, PlanError: ValueError, DataError: ValueE
                ModelError: ValueError, PatchError: ValueError, ExportError: ValueError,
                SweepError: ValueError, TrainingError: RuntimeError, CheckpointError: RuntimeError,
                GradBufferError: RuntimeError, LaunchError: RuntimeError,
-               HostMemoryError: RuntimeError}
+               HostMemoryError: RuntimeError, DuplicateKeyError: ValueError}
 NOT_USER_ERRORS = {"UserError", "Stopped", "StageFailed"}
 """Stopped: a signal's exit status (130/143); StageFailed: a stage's exit, which printed why."""
 
@@ -136,7 +137,7 @@ def test_the_run_log_closes_itself_also_after_an_exception(tmp_path):
     with pytest.raises(ZeroDivisionError):
         with RunLog(tmp_path, 0) as log:
             log.write("iter", step=1)
-            1 / 0
+            raise ZeroDivisionError
     assert log._f.closed
     log.close()  # closing again does nothing
     assert [json.loads(x)["step"] for x in (tmp_path / "rank0.jsonl").read_text().splitlines()] == [1]

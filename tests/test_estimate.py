@@ -13,7 +13,27 @@ import pytest
 
 from longft.config.params import from_dict
 from longft.config.plan import Resolved
-from longft.estimate.estimator import GIB, LAUNCHER_BASE_BYTES, RANK_BASE_BYTES, SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES, Setup, compare, estimate, estimate_for_plan, fits, format_table, layer_activation_bytes, param_numels, pinned, pinned_pool, reuse_layers, setup_from_config, sub_groups, zero_knobs
+from longft.estimate.estimator import (
+    GIB,
+    LAUNCHER_BASE_BYTES,
+    RANK_BASE_BYTES,
+    SETUP_LAUNCHER_BYTES,
+    SETUP_RANK_BYTES,
+    Setup,
+    compare,
+    estimate,
+    estimate_for_plan,
+    fits,
+    format_table,
+    layer_activation_bytes,
+    param_numels,
+    pinned,
+    pinned_pool,
+    reuse_layers,
+    setup_from_config,
+    sub_groups,
+    zero_knobs,
+)
 from longft.hardware import Choice
 
 REPO = Path(__file__).resolve().parents[1]

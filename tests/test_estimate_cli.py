@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from longft.cli import estimate as estimate_cli
+from longft.cli.estimate import best, candidates_for_confirmation, main, max_context, search, tokens_per_second
 from longft.config.params import from_dict, merge
 from longft.estimate.estimator import GIB, Setup, estimate, fits
-from longft.cli.estimate import best, candidates_for_confirmation, main, max_context, search, tokens_per_second
 from longft.hardware import Hardware
 
 H200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
@@ -92,8 +92,8 @@ def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
     search keeps attention outputs and checkpoints on the GPU until one more would not fit it."""
     import json
 
-    from longft.run.pipeline import REPO
     from longft.estimate.placement import keep_on_gpu, overlay
+    from longft.run.pipeline import REPO
 
     arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
     base = Setup(micro_batch=1, seq_len=128000, tiled_mlp=True, offload_optimizer=True,
@@ -200,8 +200,8 @@ def test_near_ties_go_to_the_placement_using_less_of_the_machine():
     needs by filling ~170 GiB of host RAM; the plan keeps everything on the GPUs."""
     import json
 
-    from longft.run.pipeline import REPO
     from longft.estimate.placement import overlay
+    from longft.run.pipeline import REPO
 
     arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
     base = Setup(micro_batch=1, seq_len=128000, tiled_mlp=True, world_size=8, ranks_per_node=8)

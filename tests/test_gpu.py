@@ -124,9 +124,9 @@ def test_sdpa_backends_match_math_and_really_run(backend, monkeypatch):
 def test_packed_documents_stay_separated_under_each_kernel_order(backend):
     import numpy as np
 
-    from longft.model.attention import context
     from longft.data.packing import build_row
     from longft.data.tokenize import Sample
+    from longft.model.attention import context
 
     model = _tiny(torch.float32).eval()
     a = Sample(np.arange(1, 200, dtype=np.int32), np.arange(1, 200, dtype=np.int32), "a")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from longft.config.params import Config, ModelConfig, merge, to_dict
-from longft.estimate.estimator import GIB, Setup, estimate
 from longft.engine.grad_buffer import MAP, GradBufferError, share
+from longft.estimate.estimator import GIB, Setup, estimate
 from longft.model.architecture import architecture
 from longft.model.loading import load_model_config
 from longft.run.pipeline import run_params, run_stage, stage_commands
@@ -88,8 +88,8 @@ def test_share_refuses_what_it_cannot_do():
 def test_checkpoint_fingerprint_ignores_the_host_grad_buffer():
     """The buffer does not change the trajectory (above), so a run may resume across a change of
     it, and checkpoints written before the knob existed still resume; other zero knobs count."""
-    from longft.engine.checkpoint import fingerprint
     from longft.config.params import from_dict
+    from longft.engine.checkpoint import fingerprint
 
     one = {"train": {"global_batch_size": 1}}
     fps = {m: fingerprint(from_dict(merge(one, {"zero": {"host_grad_buffer": m}})))

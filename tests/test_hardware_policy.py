@@ -8,17 +8,12 @@ import pytest
 
 from longft.config import cpu_rules
 from longft.config.params import ConfigError, from_dict
-from longft.hardware import Hardware, PlanError, resolve
-from longft.hardware import policy
+from longft.hardware import Hardware, PlanError, policy, resolve
 from longft.model.architecture import ARCH_KEYS, architecture, attention_dims
+from test_plan import CPU, H200, V100  # noqa: E402  (tests/ is on sys.path under pytest)
 
-V100 = Hardware(device="cuda", gpu_name="Tesla V100-SXM2-16GB", gpu_count=8, capability=(7, 0),
-                gpu_mem_gib=15.8, host_mem_gib=384, cpu_count=48, flash_attn=False, liger=True)
 A100 = Hardware(device="cuda", gpu_name="NVIDIA A100-SXM4-40GB", gpu_count=1, capability=(8, 0),
                 gpu_mem_gib=39.4, host_mem_gib=256, cpu_count=32, flash_attn=True, liger=False)
-H200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=2, capability=(9, 0),
-                gpu_mem_gib=139.8, host_mem_gib=256, cpu_count=32, flash_attn=False, liger=True)
-CPU = Hardware(device="cpu", host_mem_gib=24, cpu_count=2)
 
 
 def rule_text(problems):
@@ -167,7 +162,8 @@ def test_check_vram_limit():
     cfg = from_dict({"hardware": {"vram_limit_gib": 80}})
     assert "more than the 39.4 GiB" in rule_text(policy.check_vram_limit(cfg, A100, "cuda"))
     assert policy.check_vram_limit(cfg, H200, "cuda") == []
-    assert "device auto found no CUDA GPU" in rule_text(policy.check_vram_limit(cfg, CPU, "cpu"))  # auto on CPU: refused, not ignored
+    # auto on CPU: refused, not ignored
+    assert "device auto found no CUDA GPU" in rule_text(policy.check_vram_limit(cfg, CPU, "cpu"))
 
 
 def test_resolve_lists_problems_in_knob_order():
@@ -201,9 +197,10 @@ def test_architecture_reads_every_key():
 
 
 def test_packed_attention_resolves_per_gpu_generation_by_measurement():
-    """auto: on Hopper cuDNN SDPA per document from 64K-token rows and varlen_attn below (measured
-    end to end on the H200), torch's varlen_attn on Ampere where torch has it, SDPA per document on a V100 and on CPU; none for rows of one
-    document; flash_attention_2 reads the boundaries itself; impossible requests refused."""
+    """auto: on Hopper cuDNN SDPA per document from 64K-token rows and varlen_attn below
+    (measured end to end on the H200), torch's varlen_attn on Ampere where torch has it, SDPA
+    per document on a V100 and on CPU; none for rows of one document; flash_attention_2 reads
+    the boundaries itself; impossible requests refused."""
     import dataclasses
 
     from longft.config import from_dict

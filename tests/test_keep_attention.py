@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from longft.model import patches as patch
-from longft.model.keep_attention import kernel_ops
 from longft.config.params import Config, ConfigError, from_dict, merge, to_dict
 from longft.estimate.estimator import estimate
-from longft.estimate.types import Setup
 from longft.estimate.placement import keep_on_gpu, step_seconds
+from longft.estimate.types import Setup
+from longft.model import patches as patch
+from longft.model.keep_attention import kernel_ops
 from test_offload import CpuHooks, tiny_model  # tests/ is on sys.path under pytest
 
 KERNELS = kernel_ops()

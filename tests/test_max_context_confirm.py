@@ -7,11 +7,11 @@ import os
 import pytest
 import yaml
 
+from longft.cli.estimate import main
+from longft.config.params import Config, ConfigError, merge, to_dict
+from longft.hardware import Hardware
 from longft.run import confirm
 from longft.run.confirm import ERROR, FITS, NO_FIT, RunResult, memory_failure, run_overlay, search, vram_cap
-from longft.config.params import Config, ConfigError, merge, to_dict
-from longft.cli.estimate import main
-from longft.hardware import Hardware
 from longft.run.pipeline import REPO
 
 K = 1024

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from longft import atomic
-from longft.estimate.flops import flops_per_token
 from longft.config.plan import Plan
+from longft.estimate.flops import flops_per_token
 from longft.metrics.summary import summarize, write_outputs
 from test_plan_file import plan_dict  # tests/ is on sys.path under pytest
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from longft.engine import ds_config
 from longft.config.params import from_dict
+from longft.engine import ds_config
 from longft.hardware import Hardware, PlanError, resolve
 from longft.run.patch_stage import make_plan
 
@@ -161,12 +161,29 @@ def test_ds_config_zero2_fp16_no_offload():
     assert not ds["bf16"]["enabled"]
 
 
-@pytest.mark.parametrize("kind,typ", [("cosine", "WarmupCosineLR"), ("linear", "WarmupDecayLR"),
-                                      ("constant", "WarmupLR")])
-def test_scheduler_types(kind, typ):
-    cfg = from_dict({"optim": {"scheduler": kind, "warmup_steps": 3}, "train": {"iterations": 10}})
-    s = ds_config.scheduler(cfg)
-    assert s["type"] == typ and s["params"]["warmup_num_steps"] == 3
+def test_lr_schedule_by_hand():
+    """Warm-up starts above 0 (step i applies (i + 1) / W), then cosine / linear reach
+    min_lr_ratio at the last step, constant stays; no DeepSpeed scheduler in ds_config (the
+    trainer passes torch's LambdaLR over these factors)."""
+    import math
+
+    def factors(kind, warm, steps=10):
+        cfg = from_dict({"optim": {"scheduler": kind, "warmup_steps": warm, "min_lr_ratio": 0.1},
+                         "train": {"iterations": steps}})
+        return [ds_config.lr_factor(cfg, i) for i in range(steps)]
+
+    assert factors("cosine", 1)[0] == 1.0                    # no warm-up: full lr at once
+    c = factors("cosine", 3)
+    assert c[:3] == [1 / 3, 2 / 3, 1.0]
+    assert c[3] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 7)))
+    assert c[-1] == pytest.approx(0.1) and all(x > 0 for x in c)
+    assert all(a > b for a, b in zip(c[2:], c[3:]))          # decays after the warm-up
+    lin = factors("linear", 2)
+    assert lin[:2] == [0.5, 1.0] and lin[-1] == pytest.approx(0.1)
+    assert lin[5] == pytest.approx(1 - 0.9 * 4 / 8)
+    assert factors("constant", 4) == [0.25, 0.5, 0.75] + [1.0] * 7
+    cfg = from_dict({})
+    assert "scheduler" not in ds_config.build(cfg, "bf16", 64)
 
 
 def test_make_plan_counts_params_and_records_patches_on_meta():
@@ -189,6 +206,112 @@ def test_make_plan_lora_counts_adapter_params():
     plan, _ = make_plan(cfg, CPU)
     # tiny-llama: 2 layers; q_proj 64->64, v_proj 64->32 (2 kv heads x 16)
     assert plan["model"]["n_trainable"] == 2 * 8 * ((64 + 64) + (64 + 32))
+
+
+def test_make_plan_lora_refuses_names_that_match_no_linear_layer():
+    cfg = from_dict({"lora": {"rank": 8, "target_modules": ["q_proj", "v_prj", "lm_head_x"]}})
+    with pytest.raises(PlanError) as e:
+        make_plan(cfg, CPU)
+    assert e.value.problems == [
+        "lora.target_modules: some of the names match a linear layer of llama: ['v_prj', "
+        "'lm_head_x'] match nothing; its linear modules are ['down_proj', 'gate_proj', 'k_proj', "
+        "'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']. Remove or correct those names"]
+    with pytest.raises(PlanError, match=r"none of the names match .*\['embed_tokens'\]"):
+        make_plan(from_dict({"lora": {"rank": 8, "target_modules": ["embed_tokens"]}}), CPU)
+
+
+def test_make_plan_refuses_a_row_longer_than_the_positions(tmp_path):
+    import json
+
+    from longft.model.loading import MODELS_DIR, ModelError
+    arch = json.loads((MODELS_DIR / "tiny-llama.json").read_text())
+    arch["max_position_embeddings"] = 2048
+    (tmp_path / "short.json").write_text(json.dumps(arch))
+    cfg = from_dict({"model": {"name": str(tmp_path / "short.json")},
+                     "data": {"max_seq_length": 4096}})
+    with pytest.raises(ModelError) as e:
+        make_plan(cfg, CPU)
+    assert str(e.value) == (
+        f"data.max_seq_length (4096) is longer than the 2048 positions model "
+        f"'{tmp_path / 'short.json'}' covers (max_position_embeddings 2048); lower "
+        f"data.max_seq_length to at most 2048, or use a model with longer positions or RoPE "
+        f"scaling (rope_scaling with rope_type yarn/linear/dynamic and a factor in its config.json)")
+    arch["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}  # 4 x 2048 positions
+    (tmp_path / "short.json").write_text(json.dumps(arch))
+    make_plan(cfg, CPU)
+    # the shipped models cover the default row length
+    make_plan(from_dict({}), CPU)
+
+
+def test_architecture_config_errors_name_the_file_and_field(tmp_path):
+    import json
+
+    from longft.config.params import ModelConfig
+    from longft.model.loading import MODELS_DIR, ModelError, load_model_config
+    arch = json.loads((MODELS_DIR / "tiny-llama.json").read_text())
+    f = tmp_path / "arch.json"
+    f.write_text(json.dumps({**arch, "model_type": "lama"}))
+    with pytest.raises(ModelError) as e:
+        load_model_config(ModelConfig(name=str(f)))
+    assert str(e.value).startswith(
+        f"{f}: model_type 'lama' is not an architecture this transformers knows (close: llama")
+    assert str(e.value).endswith(
+        "; fix model_type, or, for a model with its own code, set model.source: pretrained with "
+        "model.trust_remote_code: true")
+    f.write_text(json.dumps({**arch, "hidden_size": "big"}))
+    with pytest.raises(ModelError) as e:
+        load_model_config(ModelConfig(name=str(f)))
+    assert str(e.value) == (
+        f"{f}: Field 'hidden_size' expected int, got str (value: 'big'); fix it in that file "
+        f"(fields and types as in transformers' LlamaConfig)")
+
+
+CUSTOM_CONFIG = '''from transformers import LlamaConfig
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "longft_custom"
+'''
+CUSTOM_MODEL = '''from transformers import LlamaForCausalLM
+
+from .configuration_custom import CustomConfig
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+'''
+
+
+def test_custom_code_model_needs_trust_remote_code_and_never_prompts(tmp_path, monkeypatch):
+    import builtins
+    import json
+
+    from longft.config.params import ModelConfig
+    from longft.model.loading import ModelError, load_model_config
+    from longft.run.patch_stage import meta_model
+
+    d = tmp_path / "custom"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "longft_custom", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 300, "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
+                                        "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}))
+    (d / "configuration_custom.py").write_text(CUSTOM_CONFIG)
+    (d / "modeling_custom.py").write_text(CUSTOM_MODEL)
+
+    def no_prompt(*a, **k):
+        raise AssertionError(f"transformers prompted: {a}")
+
+    monkeypatch.setattr(builtins, "input", no_prompt)
+    with pytest.raises(ModelError) as e:
+        load_model_config(ModelConfig(source="pretrained", name=str(d)))
+    assert str(e.value) == (
+        f"model.name: '{d}' contains custom code (an auto_map in its config) that must run to load "
+        f"it; if you trust that code, set model.trust_remote_code: true (it then runs in every "
+        f"stage)")
+    mc = load_model_config(ModelConfig(source="pretrained", name=str(d), trust_remote_code=True))
+    assert type(meta_model(mc, "sdpa", trust_remote_code=True)).__name__ == "CustomForCausalLM"
 
 
 def test_make_plan_unknown_architecture():

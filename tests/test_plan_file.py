@@ -9,8 +9,8 @@ import pytest
 
 from longft.config.params import ConfigError, from_dict
 from longft.config.plan import OLDER_DEFAULTS, Choice, Plan, PlanFileError, Resolved
-from longft.hardware import Hardware
 from longft.hardware import Choice as HardwareChoice
+from longft.hardware import Hardware
 from longft.run.patch_stage import make_plan
 
 H200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),

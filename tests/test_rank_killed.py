@@ -13,8 +13,8 @@ import psutil
 import pytest
 import yaml
 
-from longft.engine.checkpoint import complete_steps, fingerprint
 from longft.config.params import Config, load, merge, to_dict
+from longft.engine.checkpoint import complete_steps, fingerprint
 from longft.run.pipeline import run_all, run_stage, stage_commands
 
 pytestmark = pytest.mark.slow

@@ -6,16 +6,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
 import pytest
+
+from longft.engine.stop import Stopped, StopRequest, exit_code, python_module
+from longft.run.pipeline import run_stage, stage_commands
 from test_resume import losses
 from test_resume import setup as make_run  # tests/ is on sys.path under pytest
-
-from longft.run.pipeline import run_stage, stage_commands
-from longft.engine.stop import Stopped, StopRequest, exit_code, python_module
 
 
 def _wait_for(cond, timeout=30.0, proc=None):
@@ -148,14 +147,16 @@ def _stage(tmp_path, parent=False):
     """A stand-in train stage (launch.run of LAUNCHER) in a new session; with `parent`, started
     through a parent process that only waits for it (like dvc)."""
     (tmp_path / "launcher.py").write_text(LAUNCHER)
-    (tmp_path / "longft" / "engine").mkdir(parents=True)  # a stand-in rank: `python -u -m longft.engine.worker` in tmp_path
+    # a stand-in rank: `python -u -m longft.engine.worker` in tmp_path
+    (tmp_path / "longft" / "engine").mkdir(parents=True)
     (tmp_path / "longft" / "__init__.py").write_text("")
     (tmp_path / "longft" / "engine" / "__init__.py").write_text("")
     (tmp_path / "longft" / "engine" / "worker.py").write_text(RANK)
     (tmp_path / "run").mkdir()
     stage = (f"import os, sys\nfrom pathlib import Path\nfrom longft.run.launch import run\n"
              f"sys.exit(run([sys.executable, {str(tmp_path / 'launcher.py')!r}, "
-             f"{str(tmp_path)!r}, '--module', 'longft.engine.worker'], dict(os.environ), Path({str(tmp_path / 'run')!r})))")
+             f"{str(tmp_path)!r}, '--module', 'longft.engine.worker'], dict(os.environ), "
+             f"Path({str(tmp_path / 'run')!r})))")
     cmd = [sys.executable, "-c", stage]
     if parent:
         cmd = [sys.executable, "-c", "import subprocess, sys, time\n"

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from longft.cli import main as cli
-from longft.run import sweep
 from longft.config.params import Config, from_dict, merge, to_dict
+from longft.run import sweep
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import yaml
 
-from longft.model import tiled_mlp as tiled
 from longft.config.params import Config, from_dict, merge, to_dict
 from longft.estimate.arch import dims
 from longft.estimate.gpu import layer_activation_bytes
 from longft.estimate.types import Setup
+from longft.model import tiled_mlp as tiled
 from longft.run.pipeline import REPO, run_all
 from test_offload import tiny_model as _model  # tests/ is on sys.path under pytest
 

@@ -25,10 +25,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from longft.estimate.estimator import GIB, Setup, describe, estimate, fits, format_table, setup_from_config
-from longft.hardware import TILED_MLP_FROM
-from longft.estimate.placement import MODES, best, overlay, search, tokens_per_second
+from longft.estimate.estimator import GIB, describe, estimate, fits, format_table, setup_from_config
 from longft.estimate.max_context import SEQ_STEP, _max_context_auto_tiled, candidates_for_confirmation, max_context
+from longft.estimate.placement import MODES, best, overlay, search, tokens_per_second
+from longft.hardware import TILED_MLP_FROM
 
 __all__ = [
     "main", "COMMANDS", "cmd_estimate", "cmd_plan", "cmd_max_context", "SEQ_STEP", "max_context",

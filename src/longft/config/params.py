@@ -154,8 +154,10 @@ class OptimConfig:
     eps: float = 1.0e-8
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 1
-    """LR warm-up steps (linear from 0)."""
+    """LR warm-up steps: step i < N applies lr x (i + 1) / N (1 = no warm-up; the first step
+    already applies lr). engine/ds_config.lr_factor."""
     min_lr_ratio: float = 0.1
+    """cosine / linear: the lr of the last step, as a fraction of lr."""
 
 
 @dataclass(frozen=True)
@@ -285,8 +287,8 @@ def _check(cfg: Config) -> list[str]:
             p.append(f"optim.betas[{i}]: must be in [0, 1), got {b}")
     positive("optim.eps", o.eps)
     if o.warmup_steps < 1:
-        p.append(f"optim.warmup_steps: must be >= 1, got {o.warmup_steps} (DeepSpeed's LR "
-                 "schedules need a warm-up; their first step runs at lr 0, so 1 is the shortest)")
+        p.append(f"optim.warmup_steps: must be >= 1, got {o.warmup_steps} (1 = no warm-up: "
+                 "the first step applies optim.lr)")
     if not 0 <= o.min_lr_ratio <= 1:
         p.append(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
     if z.offload_param == "cpu" and z.stage != 3:

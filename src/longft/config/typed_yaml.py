@@ -14,6 +14,8 @@ from typing import Literal
 
 import yaml
 
+from longft.errors import UserError
+
 
 def type_name(tp) -> str:
     origin = typing.get_origin(tp)
@@ -120,8 +122,9 @@ def build_dataclass(cls, raw, prefix: str, problems: list[str]):
     return cls(**kwargs)
 
 
-class DuplicateKeyError(yaml.YAMLError):
-    """A mapping that names one key twice; `problem` names the key and both lines."""
+class DuplicateKeyError(UserError, ValueError):
+    """A mapping that names one key twice; `problem` names the key and both lines (params.load
+    turns it into a ConfigError)."""
 
     def __init__(self, problem: str):
         super().__init__(problem)

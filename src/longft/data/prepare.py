@@ -16,7 +16,6 @@ import numpy as np
 from tqdm import tqdm
 
 from longft.config.params import Config
-from longft.model.loading import check_vocab, load_model_config, load_tokenizer
 from longft.data.errors import BadRecords, DataError
 from longft.data.packing import fit_length, iter_rows, plan_rows, trainable_tokens
 from longft.data.random_tokens import random_rows
@@ -24,6 +23,7 @@ from longft.data.records import RecordReader
 from longft.data.store import DatasetWriter
 from longft.data.synthetic import synthetic_records
 from longft.data.tokenize import IGNORE_INDEX, Sample, chat_token_count, tokenize_record
+from longft.model.loading import check_context_length, check_vocab, load_model_config, load_tokenizer
 
 
 def length_histogram(lengths) -> dict[str, int]:
@@ -102,6 +102,7 @@ def prepare(cfg: Config, out_dir: str | Path) -> dict:
     """Prepare cfg.data into out_dir (replacing it only on success); return the stats written."""
     dc, length = cfg.data, cfg.data.max_seq_length
     model_config = load_model_config(cfg.model)
+    check_context_length(model_config, length, cfg.model.name)
     tally = _RowTally()
     stats: dict = {"source": dc.source, "max_seq_length": length, "pack": dc.pack}
     if dc.source == "random":

@@ -99,6 +99,9 @@ def fingerprint(cfg: Config) -> str:
     keep["train"] = {k: v for k, v in d["train"].items() if k not in ("iterations", "log_every",
                                                                        "warmup_iterations")}
     keep["world_size"] = cfg.world_size
+    # the LR schedule is torch's LambdaLR over ds_config.lr_factor since this version; DeepSpeed's
+    # WarmupCosineLR state of older checkpoints does not load into it
+    keep["lr_schedule"] = "lambda-1"
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 

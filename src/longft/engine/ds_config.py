@@ -6,25 +6,42 @@ CPU against hand-written expectations and written to artifacts/ds_config.json by
 
 from __future__ import annotations
 
+import math
+
 from longft.config.params import Config
 
 
-def scheduler(cfg: Config) -> dict:
-    """DeepSpeed LR schedule for optim.scheduler over train.iterations optimizer steps."""
+def lr_factor(cfg: Config, step: int) -> float:
+    """The multiple of optim.lr that optimizer step `step` (0 = the first) applies.
+
+    Warm-up is linear over optim.warmup_steps steps and starts above 0: step i < W applies
+    lr x (i + 1) / W, so warmup_steps 1 means no warm-up and every step moves the weights.
+    (DeepSpeed's WarmupLR/WarmupCosineLR, used before, raise warm-up to at least 2 steps and
+    start it at lr 0, so their first two optimizer steps applied lr 0 and changed nothing.) After
+    it, cosine decays to lr x min_lr_ratio at the last step (train.iterations), linear does the
+    same in a straight line, constant stays at lr.
+    """
     o, steps = cfg.optim, cfg.train.iterations
     warm = min(o.warmup_steps, steps)
-    if o.scheduler == "cosine":
-        return {"type": "WarmupCosineLR",
-                "params": {"total_num_steps": steps, "warmup_num_steps": warm,
-                           "warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr_ratio,
-                           "warmup_type": "linear"}}
+    if step < warm:
+        return (step + 1) / warm
+    if o.scheduler == "constant":
+        return 1.0
+    progress = min(1.0, (step + 1 - warm) / max(1, steps - warm))
+    lo = o.min_lr_ratio
     if o.scheduler == "linear":
-        return {"type": "WarmupDecayLR",
-                "params": {"total_num_steps": max(steps, warm + 1), "warmup_num_steps": warm,
-                           "warmup_min_lr": 0.0, "warmup_max_lr": o.lr, "warmup_type": "linear"}}
-    return {"type": "WarmupLR",
-            "params": {"warmup_num_steps": warm, "warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
-                       "warmup_type": "linear"}}
+        return 1.0 - (1.0 - lo) * progress
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_scheduler(cfg: Config):
+    """A callable for deepspeed.initialize(lr_scheduler=...): torch's LambdaLR over lr_factor. Its
+    state (the step) is saved in and restored from DeepSpeed checkpoints."""
+    import functools
+
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return lambda optimizer: LambdaLR(optimizer, functools.partial(lr_factor, cfg))
 
 
 def zero_section(cfg: Config, hidden_size: int) -> dict:
@@ -66,7 +83,6 @@ def build(cfg: Config, precision: str, hidden_size: int) -> dict:
         "optimizer": {"type": "AdamW",
                       "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
                                  "weight_decay": o.weight_decay}},
-        "scheduler": scheduler(cfg),
         "zero_optimization": zero_section(cfg, hidden_size),
         "bf16": {"enabled": precision == "bf16"},
         # fp16: dynamic loss scaling (loss_scale 0); overflowing steps are skipped and counted.

@@ -18,17 +18,18 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from longft.model import attention, packed_attention, patches as patch
-from longft.engine import checkpoint, grad_buffer, stop
 from longft.config.params import Config
 from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
+from longft.engine import checkpoint, ds_config, grad_buffer, stop
 from longft.engine.export import export
 from longft.errors import UserError
-from longft.model.loading import build_model
 from longft.measure.monitor import gpu_inventory
 from longft.measure.progress import LayerProgress
 from longft.measure.runlog import RunLog
+from longft.model import attention, packed_attention
+from longft.model import patches as patch
+from longft.model.loading import build_model
 from longft.model.tiled_mlp import decoder_layers
 
 
@@ -191,10 +192,11 @@ def _step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool
         d = now()
         fwd, bwd = fwd + c - a, bwd + d - c
         losses.append(loss.detach().float().item())
+    lr = engine.get_lr()[0]  # the lr this optimizer step applies (engine.step() advances it)
     e = now()
     engine.step()
     f = now()
-    return dict(loss=sum(losses) / len(losses), lr=engine.get_lr()[0], tokens=tokens,
+    return dict(loss=sum(losses) / len(losses), lr=lr, tokens=tokens,
                 time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
                 skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded,
                 doc_sq_tokens=doc_sq)
@@ -345,7 +347,8 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
     loader, sampler, pad_id = _loader(cfg, data_dir, rank, world, cuda)
     model, keep, offloader = _build(cfg, plan, ds)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
+                                      lr_scheduler=ds_config.lr_scheduler(cfg))
     fp = checkpoint.fingerprint(cfg)
     start, batches = _resume(engine, cfg, ckpt_dir, fp, loader, sampler, rank)
     if plan.resolved.host_grad_buffer.value == "shared":

@@ -18,7 +18,7 @@ from longft.config.params import load
 from longft.config.plan import Plan
 from longft.engine.checkpoint import disk_full_message
 from longft.engine.opbuild import diagnose
-from longft.engine.stop import StopRequest, Stopped
+from longft.engine.stop import Stopped, StopRequest
 from longft.engine.trainer import train
 from longft.errors import UserError
 

@@ -33,7 +33,20 @@ from longft.estimate.arch import numbers, param_numels, sub_groups, zero_knobs
 from longft.estimate.format import describe, format_table, gib, to_dict
 from longft.estimate.gpu import gpu_activation_items, gpu_state_items, layer_activation_bytes, reuse_layers
 from longft.estimate.host import host_items, host_peak, pinned, pinned_pool
-from longft.estimate.types import CUDA_CONTEXT_BYTES, GIB, LAUNCHER_BASE_BYTES, PHASES, RANK_BASE_BYTES, SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES, Estimate, Fit, Item, Setup, reserved_factor
+from longft.estimate.types import (
+    CUDA_CONTEXT_BYTES,
+    GIB,
+    LAUNCHER_BASE_BYTES,
+    PHASES,
+    RANK_BASE_BYTES,
+    SETUP_LAUNCHER_BYTES,
+    SETUP_RANK_BYTES,
+    Estimate,
+    Fit,
+    Item,
+    Setup,
+    reserved_factor,
+)
 
 __all__ = [
     # entry points
@@ -144,8 +157,9 @@ def fits(est: Estimate, gpu_mem_gib: float | None, host_mem_gib: float | None,
     reasons, gpu_ok, host_ok = [], None, None
     if gpu_mem_gib is not None:
         gpu_ok = est.gpu_nvml <= gpu_mem_gib * GIB
+        factor = reserved_factor(est.setup.expandable_segments)
         reasons.append(f"GPU: needs {est.gpu_nvml / GIB:.2f} GiB (allocated {est.gpu_allocated / GIB:.2f}"
-                       f" x {reserved_factor(est.setup.expandable_segments)} + context {CUDA_CONTEXT_BYTES / GIB:.1f}) of "
+                       f" x {factor} + context {CUDA_CONTEXT_BYTES / GIB:.1f}) of "
                        f"{gpu_mem_gib:.1f} GiB")
     if vram_limit_gib is not None:
         ok = est.gpu_reserved <= vram_limit_gib * GIB

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from longft.estimate.types import CUDA_CONTEXT_BYTES, GIB, HOST_PHASES, LAUNCHER_BASE_BYTES, PHASES, RANK_BASE_BYTES, SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES, Estimate, Fit, Setup, reserved_factor
+from longft.estimate.types import (
+    CUDA_CONTEXT_BYTES,
+    GIB,
+    HOST_PHASES,
+    LAUNCHER_BASE_BYTES,
+    PHASES,
+    RANK_BASE_BYTES,
+    SETUP_LAUNCHER_BYTES,
+    SETUP_RANK_BYTES,
+    Estimate,
+    Fit,
+    Setup,
+    reserved_factor,
+)
 
 
 def gib(n: float) -> float:
@@ -26,7 +39,8 @@ def to_dict(est: Estimate) -> dict:
                 "phases_bytes": dict(est.gpu_phases), "items": items("gpu")},
         "host": {"rss_bytes": est.host_rss, "rss_gib": gib(est.host_rss),
                  "peak_moment": est.host_peak_moment, "items": items("host")},
-        "constants": {"reserved_factor": reserved_factor(est.setup.expandable_segments), "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+        "constants": {"reserved_factor": reserved_factor(est.setup.expandable_segments),
+                      "cuda_context_bytes": CUDA_CONTEXT_BYTES,
                       "rank_base_bytes": RANK_BASE_BYTES, "launcher_base_bytes": LAUNCHER_BASE_BYTES,
                       "setup_rank_bytes": SETUP_RANK_BYTES,
                       "setup_launcher_bytes": SETUP_LAUNCHER_BYTES},
@@ -68,7 +82,8 @@ def format_table(est: Estimate, fit: Fit | None = None) -> str:
         for p in HOST_PHASES))
     lines += ["",
               f"peak VRAM (torch max allocated)   {est.gpu_allocated / GIB:9.3f} GiB  [{est.gpu_peak_phase}]",
-              f"VRAM reserved (x {reserved_factor(est.setup.expandable_segments)})          {est.gpu_reserved / GIB:9.3f} GiB",
+              f"VRAM reserved (x {reserved_factor(est.setup.expandable_segments)})          "
+              f"{est.gpu_reserved / GIB:9.3f} GiB",
               f"VRAM used, NVML (+ context)       {est.gpu_nvml / GIB:9.3f} GiB",
               f"peak DRAM (process-tree RSS)      {est.host_rss / GIB:9.3f} GiB  [{est.host_peak_moment}]"]
     if fit is not None:

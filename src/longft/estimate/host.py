@@ -5,8 +5,19 @@ torch's power-of-two host caching allocator) and CPU Adam's states.
 from __future__ import annotations
 
 from longft.estimate.arch import Numbers, share
+from longft.estimate.types import (
+    CPU_LAUNCHER_BASE_BYTES,
+    CPU_RANK_BASE_BYTES,
+    GIB,
+    HOST_PHASES,
+    LAUNCHER_BASE_BYTES,
+    RANK_BASE_BYTES,
+    SETUP_LAUNCHER_BYTES,
+    SETUP_RANK_BYTES,
+    Item,
+    Setup,
+)
 from longft.model.checkpoint_offload import OFFLOAD_MIN_BYTES
-from longft.estimate.types import CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES, GIB, HOST_PHASES, LAUNCHER_BASE_BYTES, RANK_BASE_BYTES, SETUP_LAUNCHER_BYTES, SETUP_RANK_BYTES, Item, Setup
 
 
 def pinned(n: int) -> int:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from longft.model.attention import fused_kernel
 from longft.estimate.estimator import GIB, Estimate, Fit, Setup, estimate, fits, param_numels
 from longft.hardware.policy import why_not_shared_grad_buffer as why_not
+from longft.model.attention import fused_kernel
 from longft.model.tiled_mlp import skips_recompute, tiles
-
 
 # ---------------------------------------------------------------- speed heuristic (plan ranking)
 ACHIEVED_FRACTION = 0.5

@@ -5,8 +5,14 @@ longft changes in it (`patches` applies Liger, the attention kernel,
 the tiled MLP (`tiled_mlp`), kept attention outputs (`keep_attention`) and checkpoints offloaded
 to the host (`checkpoint_offload`))."""
 
-from longft.model.loading import (ModelError, build_model, check_vocab, load_model_config,
-                                  load_tokenizer, shipped_architectures)
+from longft.model.loading import (
+                                  ModelError,
+                                  build_model,
+                                  check_vocab,
+                                  load_model_config,
+                                  load_tokenizer,
+                                  shipped_architectures,
+)
 
 __all__ = ["ModelError", "build_model", "check_vocab", "load_model_config", "load_tokenizer",
            "shipped_architectures"]

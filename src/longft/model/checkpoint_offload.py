@@ -2,13 +2,14 @@
 
 Each decoder layer is checkpointed with PyTorch's non-reentrant checkpoint, which saves the layer's
 inputs through the saved-tensor hooks in force *outside* the checkpointed region, while everything
-inside the layer is recomputed in backward. `OffloadHooks` are those outer hooks, active only
-around each decoder layer's checkpoint call (`CheckpointOffload`): each layer's input hidden states
-([micro, seq, hidden]) are copied to pinned host memory on a side CUDA stream, so the copy overlaps the next layers' compute, and the
-GPU copy is freed. In backward, unpacking the input of layer i also starts the host-to-device copy
-of the tensor saved just before it (layer i-1's input) on the side stream, so that it arrives while
-layer i recomputes: the prefetch the reference study listed as future work. Prefetched tensors
-are allocated on the compute stream, so the side stream never grows a memory pool of its own.
+inside the layer is recomputed in backward. `OffloadHooks` are those outer hooks, active only around
+each decoder layer's checkpoint call (`CheckpointOffload`): each layer's input hidden states
+([micro, seq, hidden]) are copied to pinned host memory on a side CUDA stream, so the copy overlaps
+the next layers' compute, and the GPU copy is freed. In backward, unpacking the input of layer i
+also starts the host-to-device copy of the tensor saved just before it (layer i-1's input) on the
+side stream, so that it arrives while layer i recomputes: the prefetch the reference study listed as
+future work. Prefetched tensors are allocated on the compute stream, so the side stream never grows
+a memory pool of its own.
 
 This works with transformers 5 (decoder layers return tensors; no reentrant unpacking of tuples)
 and with ZeRO-3: parameters are never offloaded by these hooks (ZeRO-3 owns them), nor are small

@@ -7,8 +7,11 @@ both paths return the same kind of object and are trained by the same code.
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
+
+from huggingface_hub.errors import StrictDataclassError
 
 from longft.config.params import ModelConfig
 from longft.errors import UserError
@@ -36,6 +39,54 @@ def shipped_architectures() -> list[str]:
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
 
 
+def _refuse_remote_code(e: Exception, key: str, name: str) -> None:
+    """Raise the fix when transformers refused `name` for needing its own code. longft always
+    passes trust_remote_code explicitly (never None), so transformers never stops at its
+    interactive "Do you wish to run the custom code? [y/N]" prompt inside a stage."""
+    if isinstance(e, ValueError) and "trust_remote_code" in str(e):
+        raise ModelError(
+            f"{key}: {name!r} contains custom code (an auto_map in its config) that must run to "
+            f"load it; if you trust that code, set model.trust_remote_code: true (it then runs in "
+            f"every stage)") from None
+
+
+def _validation_problem(e: Exception) -> str:
+    """One line from huggingface_hub's strict-dataclass error: the field and what is wrong."""
+    cause = e.__cause__ or getattr(e, "cause", None)  # its text names the field
+    return (str(cause) if cause is not None else str(e).splitlines()[-1].strip()).rstrip(".")
+
+
+def _architecture_config(f: Path):
+    """A transformers config from an architecture config.json, with every failure a ModelError."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        raw = json.loads(f.read_text())
+    except ValueError as e:
+        raise ModelError(f"{f}: not valid JSON ({e}); fix the file") from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{f}: expected a JSON object of config fields, got {type(raw).__name__}")
+    model_type = raw.pop("model_type", None)
+    if model_type is None:
+        raise ModelError(f"{f}: has no model_type; it is not a transformers config.json")
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING), n=3)
+        hint = f" (close: {', '.join(close)})" if close else ""
+        raise ModelError(
+            f"{f}: model_type {model_type!r} is not an architecture this transformers knows"
+            f"{hint}; fix model_type, or, for a model with its own code, set model.source: "
+            f"pretrained with model.trust_remote_code: true")
+    try:
+        return AutoConfig.for_model(model_type, **raw)
+    except StrictDataclassError as e:  # transformers' configs check each field's type and range
+        raise ModelError(f"{f}: {_validation_problem(e)}; fix it in that file (fields and types "
+                         f"as in transformers' {CONFIG_MAPPING[model_type].__name__})") from None
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{f}: transformers refuses this {model_type} config "
+                         f"({e.__class__.__name__}: {str(e).splitlines()[0]}); fix the file") from None
+
+
 def load_model_config(mc: ModelConfig):
     """The transformers config of the model (no weights are read)."""
     from transformers import AutoConfig
@@ -47,14 +98,14 @@ def load_model_config(mc: ModelConfig):
                 f"model.name: {mc.name!r} is neither a file in configs/models "
                 f"({', '.join(shipped_architectures())}) nor a path to a config.json; "
                 f"pick one of those or set model.source: pretrained for a hub id")
-        raw = json.loads(f.read_text())
-        model_type = raw.pop("model_type", None)
-        if model_type is None:
-            raise ModelError(f"{f}: has no model_type; it is not a transformers config.json")
-        return AutoConfig.for_model(model_type, **raw)
+        return _architecture_config(f)
     try:
         return AutoConfig.from_pretrained(mc.name, trust_remote_code=mc.trust_remote_code)
+    except StrictDataclassError as e:
+        raise ModelError(f"model.name: the config.json of {mc.name!r} is invalid: "
+                         f"{_validation_problem(e)}; fix it in that file") from None
     except (OSError, ValueError) as e:
+        _refuse_remote_code(e, "model.name", mc.name)
         raise ModelError(
             f"model.name: cannot load a config for {mc.name!r} ({e.__class__.__name__}: "
             f"{str(e).splitlines()[0]}). Give a local directory written by save_pretrained, a hub id "
@@ -77,6 +128,7 @@ def load_tokenizer(mc: ModelConfig):
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
     except (OSError, ValueError) as e:
+        _refuse_remote_code(e, "model.tokenizer", path)
         raise ModelError(
             f"model.tokenizer: cannot load a tokenizer from {path!r} ({e.__class__.__name__}: "
             f"{str(e).splitlines()[0]}); set model.tokenizer to a directory with tokenizer files") from None
@@ -92,6 +144,38 @@ def check_vocab(tokenizer, model_config) -> None:
         raise ModelError(
             f"tokenizer has {n} tokens but the model's vocab_size is {model_config.vocab_size}; "
             f"use the model's own tokenizer (model.tokenizer: null) or a model with a larger vocabulary")
+
+
+_SCALED_ROPE = ("linear", "dynamic", "yarn")
+"""RoPE scalings whose configs keep the pre-scaling max_position_embeddings: the positions reach
+factor x original (llama3 and longrope configs already state the scaled length)."""
+
+
+def position_limit(model_config) -> int | None:
+    """The longest sequence the model's positions cover, or None when its config does not say."""
+    n = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(n, int):
+        return None
+    rope = getattr(model_config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    factor = rope.get("factor") if kind in _SCALED_ROPE else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        base = rope.get("original_max_position_embeddings") or n
+        return max(n, int(factor * base))
+    return n
+
+
+def check_context_length(model_config, max_seq_length: int, name: str) -> None:
+    """Refuse a data.max_seq_length the model's positions do not cover, before any sample of that
+    length is generated or allocated."""
+    limit = position_limit(model_config)
+    if limit is not None and max_seq_length > limit:
+        raise ModelError(
+            f"data.max_seq_length ({max_seq_length}) is longer than the {limit} positions model "
+            f"{name!r} covers (max_position_embeddings {model_config.max_position_embeddings}); "
+            f"lower data.max_seq_length to at most {limit}, or use a model with longer positions "
+            f"or RoPE scaling (rope_scaling with rope_type yarn/linear/dynamic and a factor in its "
+            f"config.json)")
 
 
 def build_model(mc: ModelConfig, attn_implementation: str, dtype):
@@ -113,6 +197,7 @@ def build_model(mc: ModelConfig, attn_implementation: str, dtype):
             mc.name, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=mc.trust_remote_code)
     except (OSError, ValueError) as e:
+        _refuse_remote_code(e, "model.name", mc.name)
         raise ModelError(
             f"model.name: cannot load weights from {mc.name!r} ({e.__class__.__name__}: "
             f"{str(e).splitlines()[0]})") from None

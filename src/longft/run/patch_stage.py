@@ -4,22 +4,24 @@ what gets replaced, and produce artifacts/plan.json and artifacts/ds_config.json
 
 from __future__ import annotations
 
-from longft.engine import ds_config
 from longft import hardware
-from longft.model import patches as patch
 from longft.config.params import Config, to_dict
+from longft.engine import ds_config
 from longft.estimate.estimator import estimate_for_plan
+from longft.model import patches as patch
 from longft.model.architecture import architecture
-from longft.model.loading import load_model_config
+from longft.model.loading import check_context_length, load_model_config
 
 
-def meta_model(model_config, attention: str):
-    """The model on the meta device: shapes and modules, no memory, no weights read."""
+def meta_model(model_config, attention: str, trust_remote_code: bool = False):
+    """The model on the meta device: shapes and modules, no memory, no weights read.
+    trust_remote_code is always passed (None would ask on stdin for a custom-code model)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, attn_implementation=attention)
+        return AutoModelForCausalLM.from_config(model_config, attn_implementation=attention,
+                                                trust_remote_code=trust_remote_code)
 
 
 def model_state_bytes(n_params: int, n_trainable: int, precision: str) -> dict:
@@ -30,12 +32,28 @@ def model_state_bytes(n_params: int, n_trainable: int, precision: str) -> dict:
             "optimizer": n_trainable * (master + 8)}
 
 
+def lora_targets(model, names: tuple[str, ...], model_type: str) -> list:
+    """The linear modules LoRA adapts: those whose last name part is in `names`. Every name must
+    match one (a typo would otherwise silently train fewer modules than asked)."""
+    linear = {n: m for n, m in model.named_modules() if hasattr(m, "in_features")}
+    known = sorted({n.split(".")[-1] for n in linear})
+    unmatched = [t for t in names if t not in known]
+    if unmatched:
+        which = "none" if len(unmatched) == len(names) else "some"
+        raise hardware.PlanError([
+            f"lora.target_modules: {which} of the names match a linear layer of {model_type}: "
+            f"{unmatched} match nothing; its linear modules are {known}. Remove or correct "
+            f"those names"])
+    return [m for n, m in linear.items() if n.split(".")[-1] in names]
+
+
 def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     """Return (plan, ds_config) for cfg on hw; raises PlanError/ModelError on impossible requests."""
     mc = load_model_config(cfg.model)
+    check_context_length(mc, cfg.data.max_seq_length, cfg.model.name)
     choices = hardware.resolve(cfg, hw, mc.model_type)
     precision = choices["precision"].value
-    model = meta_model(mc, choices["attention"].value)
+    model = meta_model(mc, choices["attention"].value, cfg.model.trust_remote_code)
     try:
         record = patch.apply(model, choices["liger"].value, choices["checkpointing"].value,
                              choices["sdpa_backend"].value, choices["tiled_mlp"].value,
@@ -46,11 +64,7 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     n_params = sum(p.numel() for p in model.parameters())
     arch = architecture(mc)
     if cfg.lora.rank > 0:
-        targets = [m for n, m in model.named_modules()
-                   if n.split(".")[-1] in cfg.lora.target_modules and hasattr(m, "in_features")]
-        if not targets:
-            raise hardware.PlanError([f"lora.target_modules: none of {list(cfg.lora.target_modules)} is a "
-                             f"linear layer of {mc.model_type}"])
+        targets = lora_targets(model, cfg.lora.target_modules, mc.model_type)
         n_trainable = sum(cfg.lora.rank * (m.in_features + m.out_features) for m in targets)
     else:
         n_trainable = n_params

@@ -17,7 +17,6 @@ from longft.estimate.types import GIB
 from longft.run.launch import LaunchError
 
 
-
 class HostMemoryError(LaunchError):
     """The planned run needs more host RAM than this machine has available."""
 
