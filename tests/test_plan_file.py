@@ -37,7 +37,7 @@ def plan_dict(resolved=None, host_rss_bytes=None, host_items=(), model_config=No
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # per test: the autouse fixture in conftest.py undoes Liger's global patches
 def made():
     """make_plan's dict on a faked H200: Liger replacements, kept attention, a tuple capability."""
     cfg = from_dict({"checkpointing": {"keep_attention": 1}})
