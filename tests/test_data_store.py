@@ -80,3 +80,44 @@ def test_reader_errors_say_how_to_fix(tmp_path):
     (tmp_path / "prep" / "meta.json").write_text(json.dumps({**meta, "num_rows": 4}))
     with pytest.raises(DataError, match=r"do not match meta.json \(4, 8\)"):
         PreparedDataset(tmp_path / "prep")
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_next_prepare_removes_what_a_killed_prepare_left_and_says_so(tmp_path, capsys):
+    import os
+    import time
+
+    dead = tmp_path / f".prep.tmp-{_dead_pid()}-abc"  # kill -9 mid-write: the writer is gone
+    (dead / "input_ids.npy").parent.mkdir()
+    (dead / "input_ids.npy").write_bytes(b"\0" * 2**20)
+    running = tmp_path / f".prep.tmp-{os.getppid()}-xyz"  # a prepare that still runs: kept
+    running.mkdir()
+    old_style = tmp_path / ".prep.tmp-q1w2e3"  # no pid in the name: by age
+    old_style.mkdir()
+    os.utime(old_style, (time.time() - 7200, time.time() - 7200))
+    young = tmp_path / ".prep.tmp-r4t5y6"
+    young.mkdir()
+    write_dataset(tmp_path / "prep", *arrays(), META)
+    err = capsys.readouterr().err
+    assert not dead.exists() and not old_style.exists()
+    assert running.is_dir() and young.is_dir()
+    assert f"removed {dead}" in err and "no longer runs" in err and "1.0 MiB" in err
+    assert f"removed {old_style}" in err and "2.0 h ago" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["prep", running.name, young.name])
+
+
+def test_the_temporary_directory_names_its_writer(tmp_path):
+    import os
+
+    with DatasetWriter(tmp_path / "prep", 1, 4) as w:
+        assert w.tmp.name.startswith(f".prep.tmp-{os.getpid()}-")

@@ -7,7 +7,9 @@ A directory (default data/prepared) with:
 vocab_size is an upper bound of the ids (len(tokenizer), or the model's vocab_size for random ids);
 labels are -100 where no loss is taken. The writer fills a temporary directory next to the target
 and renames it into place only when complete, so a failed run never leaves half a dataset and an
-existing good one survives it.
+existing good one survives it. The temporary directory is `.<name>.tmp-<pid>-<random>`: one that a
+killed prepare (kill -9, OOM killer) left behind is removed by the next one, which says so on
+stderr (atomic.remove_stale).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from longft.atomic import remove_stale, tmp_prefix
 from longft.data.errors import DataError
 
 ARRAYS = ("input_ids", "labels", "position_ids")
@@ -42,8 +46,16 @@ class DatasetWriter:
         self.arrays: dict[str, np.ndarray] = {}
 
     def __enter__(self) -> "DatasetWriter":
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
+        parent = self.out_dir.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        stale = [f".{self.out_dir.name}.tmp-"]
+        if self.out_dir.exists():  # else a .old- may hold the only copy: left for a person
+            stale.append(f".{self.out_dir.name}.old-")
+        for base in stale:
+            for line in remove_stale(parent, base):  # what killed prepares left behind
+                print(f"longft: {line}", file=sys.stderr, flush=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(f".{self.out_dir.name}.tmp-"),
+                                         dir=parent))
         umask = os.umask(0)  # mkdtemp makes the directory private; give it the usual mode
         os.umask(umask)
         self.tmp.chmod(0o777 & ~umask)
@@ -68,7 +80,9 @@ class DatasetWriter:
             (self.tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
         old = None
         if self.out_dir.exists():
-            old = self.out_dir.parent / f".{self.out_dir.name}.old-{os.getpid()}"
+            old = Path(tempfile.mkdtemp(prefix=tmp_prefix(f".{self.out_dir.name}.old-"),
+                                        dir=self.out_dir.parent))
+            old.rmdir()
             self.out_dir.rename(old)
         try:
             self.tmp.rename(self.out_dir)
