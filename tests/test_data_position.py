@@ -1,5 +1,5 @@
 """Resume's data position: micro-batches from any point, across epochs, equal the uninterrupted
-sequence's tail, and the skipped ones are never loaded (trainer._batches with SkipFirst)."""
+sequence's tail, and the skipped ones are never loaded (batches.micro_batches with SkipFirst)."""
 
 import itertools
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from longft.engine.trainer import SkipFirst, _batches
+from longft.engine.batches import SkipFirst, micro_batches
 
 
 class Counted(Dataset):
@@ -26,7 +26,7 @@ def _stream(n=10, micro=3, start=0):
     data = Counted(n)
     sampler = SkipFirst(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=7))
     loader = DataLoader(data, batch_size=micro, sampler=sampler)
-    return data, _batches(loader, sampler, start)
+    return data, micro_batches(loader, sampler, start)
 
 
 @pytest.mark.parametrize("start", [0, 1, 3, 4, 5, 9])  # 10 rows in batches of 3: 4 a epoch (3+3+3+1)

@@ -151,17 +151,17 @@ def test_trainer_hands_boundaries_once_per_micro_batch_and_counts_attention_per_
     reads them, and sum(L_i^2) over real tokens: the tail padding, which continues the last
     document's positions, is left out. metrics' attention_length turns it into the S of the
     FLOPs formula."""
-    from longft.engine.trainer import _doc_kwargs
+    from longft.engine.batches import doc_kwargs
     from longft.metrics.summary import attention_length
 
     pad = 0
     ids = torch.tensor([[5, 6, 7, 8, 9, 3, 3, pad], [4, 4, 4, 4, 4, 4, 4, 4]])
     labels = torch.tensor([[-100, 6, 7, -100, 9, 3, 3, -100], [-100, 4, 4, 4, 4, 4, 4, 4]])
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], list(range(8))])  # docs 3 + 4 (+1 pad), then 8
-    kw, sq = _doc_kwargs({"input_ids": ids, "labels": labels, "position_ids": pos}, pad, "cpu", True)
+    kw, sq = doc_kwargs({"input_ids": ids, "labels": labels, "position_ids": pos}, pad, "cpu", True)
     assert kw["cu_seq_lens_q"].tolist() == [0, 3, 8, 16] and kw["max_length_q"] == 8
     assert sq == 3 * 3 + 4 * 4 + 8 * 8
-    kw, sq2 = _doc_kwargs({"input_ids": ids, "labels": labels, "position_ids": pos}, pad, "cpu", False)
+    kw, sq2 = doc_kwargs({"input_ids": ids, "labels": labels, "position_ids": pos}, pad, "cpu", False)
     assert kw == {} and sq2 == sq
     rows = [{"doc_sq_tokens": sq, "tokens": 15}]
     assert attention_length(rows, 8) == pytest.approx(89 / 15)

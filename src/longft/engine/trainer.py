@@ -22,12 +22,13 @@ from longft.config.params import Config
 from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
 from longft.engine import checkpoint, ds_config, grad_buffer, stop
+from longft.engine.batches import PASSES_BOUNDARIES, SkipFirst, doc_kwargs, micro_batches, real_tokens
 from longft.engine.export import export
 from longft.errors import UserError
 from longft.measure.monitor import gpu_inventory
 from longft.measure.progress import LayerProgress
 from longft.measure.runlog import RunLog
-from longft.model import attention, packed_attention
+from longft.model import attention
 from longft.model import patches as patch
 from longft.model.loading import build_model
 from longft.model.tiled_mlp import decoder_layers
@@ -77,44 +78,6 @@ def environment(cfg: Config, plan: Plan) -> dict:
     }
 
 
-def real_tokens(input_ids, labels, pad_id: int) -> int:
-    """Positions that are not tail padding (pad id with no label, at the end of each row)."""
-    import torch
-
-    pad = (input_ids == pad_id) & (labels == -100)
-    tail = torch.cumprod(pad.flip(-1).int(), dim=-1).sum()
-    return int(input_ids.numel() - tail)
-
-
-class SkipFirst:
-    """A sampler that drops the first `skip` indices of the next epoch it yields, once: on resume
-    the micro-batches the checkpointed run already trained on are skipped without being loaded."""
-
-    def __init__(self, base):
-        self.base, self.skip = base, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.base.set_epoch(epoch)
-
-    def __iter__(self):
-        skip, self.skip = self.skip, 0
-        return itertools.islice(iter(self.base), skip, None)
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-
-def _batches(loader, sampler: SkipFirst, start: int = 0):
-    """Micro-batches, epoch after epoch, from micro-batch `start` on (only the last batch of an
-    epoch can be short, so the first `start % per_epoch` of its epoch are whole batches)."""
-    epoch, within = divmod(start, len(loader))
-    sampler.skip = within * loader.batch_size
-    while True:
-        sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
 def _build(cfg: Config, plan: Plan, ds: dict):
     import torch
 
@@ -146,27 +109,6 @@ def _build(cfg: Config, plan: Plan, ds: dict):
     return model, keep, offloader
 
 
-PASSES_BOUNDARIES = ("varlen", "per_document", "flash_attention_2")
-"""Resolved kernels.packed_attention values whose kernels read the document boundaries."""
-
-
-def _doc_kwargs(batch: dict, pad_id: int, device, packed: bool) -> tuple[dict, int]:
-    """The document boundaries for the model (once per micro-batch; {} for one document a row or
-    an attention that takes none) and sum(L_i^2) over the micro-batch's documents' real tokens
-    (the tail padding, which continues the last document's positions, left out), for the
-    attention FLOPs, counted per document."""
-    pos = batch["position_ids"]
-    kw = packed_attention.batch_kwargs(pos) if packed else {}
-    kw = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in kw.items()}
-    sq = 0
-    for r in range(pos.shape[0]):
-        lengths = packed_attention.document_lengths(pos[r:r + 1])
-        pad = pos.shape[1] - real_tokens(batch["input_ids"][r:r + 1], batch["labels"][r:r + 1], pad_id)
-        lengths[-1] -= pad
-        sq += sum(n * n for n in lengths)
-    return kw, sq
-
-
 def _step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False) -> dict:
     """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer.
     `packed`: hand each micro-batch's document boundaries to the attention."""
@@ -178,7 +120,7 @@ def _step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool
         cpu_batch = next(batches)
         tokens += real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
         b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
-        docs, sq = _doc_kwargs(cpu_batch, pad_id, engine.device, packed)
+        docs, sq = doc_kwargs(cpu_batch, pad_id, engine.device, packed)
         doc_sq += sq
         a = now()
         hooks = offloader.new_step() if offloader else None
@@ -313,7 +255,7 @@ def _resume(engine, cfg: Config, ckpt_dir: Path | None, fp: str, loader, sampler
     if ckpt_dir is not None and cfg.output.resume:
         start, client = checkpoint.resume(engine, ckpt_dir, fp, lambda m: rank == 0 and print(m))
     # the data position follows the step, without loading the skipped batches
-    batches = _batches(loader, sampler, start * cfg.grad_accum_steps)
+    batches = micro_batches(loader, sampler, start * cfg.grad_accum_steps)
     if start:
         if (start * cfg.grad_accum_steps) % len(loader):
             # mid-epoch: the run that wrote the checkpoint made this epoch's DataLoader iterator
