@@ -51,8 +51,10 @@ class DataConfig:
     split: str = "train"
     format: Literal["auto", "messages", "prompt_completion", "text"] = "auto"
     """Record layout; auto picks from the keys of the first record."""
-    num_samples: int = 48
-    """Samples to generate (synthetic/random) or the most to read (files; 0 = all)."""
+    num_samples: Optional[int] = 48
+    """synthetic / random: how many samples to generate (required). Files and datasets: null =
+    every record; a number caps the records read, and prepare then says how many were left out
+    (stats.json: records_total, dropped.num_samples)."""
     max_seq_length: int = 4096
     pack: bool = True
     """Pack several samples into one sequence; position ids restart per document and attention runs
@@ -61,7 +63,13 @@ class DataConfig:
     """synthetic only: mixed = each sample's length log-uniform from 1,024 tokens to max_seq_length
     (several documents a packed row, like real long chat records); full = every sample fills a row."""
     truncate: bool = True
-    """Cut samples longer than max_seq_length; false makes such a sample an error (or a skip)."""
+    """Cut samples longer than max_seq_length; false makes such a sample an error (or a skip).
+    Text records are split instead while split_text is true."""
+    split_text: bool = True
+    """format text: a record longer than max_seq_length becomes several documents of
+    max_seq_length tokens (the last one shorter; only the first starts with bos, only the last
+    ends with eos), so no text is lost; false = cut or refused by truncate, like chat records.
+    Chat and prompt/completion records are never split (an answer must not lose its question)."""
     on_bad_record: Literal["error", "skip"] = "error"
     """A malformed record: stop with its file and line, or skip it and count it in stats.json."""
     train_on_prompt: bool = False
@@ -137,8 +145,13 @@ class TrainConfig:
     """Sequences per GPU per forward/backward."""
     global_batch_size: int = 2
     """Sequences per optimizer step over all GPUs; accumulation = global / (micro x world)."""
-    iterations: int = 12
-    """Optimizer steps to run."""
+    iterations: Optional[int] = 12
+    """Optimizer steps to run; null = derived from epochs. Exactly one of iterations and epochs is
+    set."""
+    epochs: Optional[float] = None
+    """Passes over the prepared rows instead of a step count (fractional allowed, e.g. 0.5 or 3):
+    steps = ceil(epochs x ceil((rows // GPUs) / micro_batch_size) / accumulation), worked out by
+    the train stage from data/prepared (engine/batches.steps_for_epochs). Each epoch reshuffles."""
     warmup_iterations: int = 2
     """First steps left out of timing (compilation, allocator warm-up)."""
     max_grad_norm: float = 1.0
@@ -203,6 +216,33 @@ class OutputConfig:
     """How many periodic checkpoints to keep."""
     resume: bool = True
     """Resume from the newest complete checkpoint of the same configuration, if there is one."""
+    tensorboard: bool = False
+    """Also write loss, lr, grad_norm and tokens/s per step as TensorBoard events in
+    runs/train/tensorboard (`tensorboard --logdir runs/train/tensorboard`; needs the tensorboard
+    package). dvclive's runs/train/live is always written."""
+
+
+NOTHING_TO_TRACK = "configs/nothing-to-track"
+"""The placeholder dependency of track.*: a shipped file that never changes."""
+
+
+@dataclass(frozen=True)
+class TrackConfig:
+    """Local inputs tracked as DVC dependencies: dvc.yaml interpolates these paths into the deps of
+    the stages that read them (`${track.data}` ...), so editing the file or directory re-runs them.
+    DVC cannot make a dep of a null param, hence these separate fields; the placeholder (nothing
+    to track) is a shipped file. The prepare stage refuses to run while a local data.path,
+    model.name or model.tokenizer is not covered by its entry (data/tracked.py)."""
+
+    data: str = NOTHING_TO_TRACK
+    """data.path when it is a local file or directory (jsonl, parquet, a save_to_disk dataset), or
+    a directory above it. Deps of: prepare."""
+    model: str = NOTHING_TO_TRACK
+    """model.name when it is a local directory (pretrained) or a config.json outside
+    configs/models (random). Deps of: prepare, patch, train."""
+    tokenizer: str = NOTHING_TO_TRACK
+    """model.tokenizer when it is a local directory outside configs/tokenizers. Deps of: prepare,
+    train (the export saves it)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +259,7 @@ class Config:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    track: TrackConfig = field(default_factory=TrackConfig)
 
     @property
     def world_size(self) -> int:
@@ -246,17 +287,28 @@ def _check(cfg: Config) -> list[str]:
             p.append(f"{key}: must be > 0, got {v}")
 
     positive("data.max_seq_length", d.max_seq_length)
-    if d.num_samples < 0:
-        p.append(f"data.num_samples: must be >= 0, got {d.num_samples}")
-    if d.source in ("synthetic", "random") and d.num_samples == 0:
-        p.append(f"data.num_samples: must be > 0 for source {d.source!r}")
+    if d.num_samples is None:
+        if d.source in ("synthetic", "random"):
+            p.append(f"data.num_samples: required for source {d.source!r} (how many samples to "
+                     f"generate), got null")
+    elif d.num_samples <= 0:
+        p.append(f"data.num_samples: must be > 0, got {d.num_samples}"
+                 + ("" if d.source in ("synthetic", "random") else "; null reads every record"))
     if d.source in ("jsonl", "parquet", "hf") and not d.path:
         p.append(f"data.path: required for source {d.source!r} (a file or dataset name)")
-    for k in ("micro_batch_size", "global_batch_size", "iterations", "log_every"):
+    for k in ("micro_batch_size", "global_batch_size", "log_every"):
         positive(f"train.{k}", getattr(t, k))
+    if (t.iterations is None) == (t.epochs is None):
+        p.append(f"train.iterations ({t.iterations}) and train.epochs ({t.epochs}): set exactly one "
+                 f"of them and the other to null (iterations = optimizer steps, epochs = passes over "
+                 f"the prepared rows); e.g. -S train.iterations=null -S train.epochs=2")
+    if t.iterations is not None:
+        positive("train.iterations", t.iterations)
+    if t.epochs is not None:
+        positive("train.epochs", t.epochs)
     if t.warmup_iterations < 0:
         p.append(f"train.warmup_iterations: must be >= 0, got {t.warmup_iterations}")
-    elif t.iterations > 0 and t.warmup_iterations >= t.iterations:
+    elif t.iterations is not None and t.iterations > 0 and t.warmup_iterations >= t.iterations:
         p.append(f"train.warmup_iterations ({t.warmup_iterations}) must be < train.iterations "
                  f"({t.iterations}), or no iteration is timed")
     if t.max_grad_norm < 0:
