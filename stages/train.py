@@ -25,7 +25,7 @@ from longft.config.plan import Plan
 from longft.engine.checkpoint import complete_steps, fingerprint
 from longft.errors import UserError
 from longft.run.launch import command, environment, master_port, run
-from longft.run.preflight import host_memory
+from longft.run.preflight import host_memory, writable
 
 
 def partial_metrics(run_dir: Path, plan_path: Path, out: Path) -> None:
@@ -73,7 +73,10 @@ def main() -> int:
         port, why = master_port(cfg)  # a pinned port that is taken: LaunchError, exit 2
         print(f"train: master port {port} ({why})")
         cmd = command(cfg, device, worker, port)
-        # Before any rank starts and before anything is deleted: does the host RAM suffice?
+        # Before any rank starts and before anything is deleted: can the outputs be written, does
+        # the host RAM suffice?
+        writable({"run directory": Path(a.run), "checkpoint directory": Path(a.checkpoints),
+                  "export directory": Path(a.export)}, beside=("export directory",))
         note = host_memory(cfg, plan)
         if note:
             print(f"train: {note}")

@@ -5,6 +5,7 @@ import collections
 import json
 import runpy
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -115,3 +116,60 @@ def test_train_stage_refuses_before_starting_ranks_and_deletes_nothing(tmp_path,
     assert "only 0.10 GiB is available" in err
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before  # nothing deleted or written: no rank, no memory sampler ran
+
+
+# ---------------------------------------------------------------- output directories (issue 20)
+
+from longft.run.preflight import OutputDirError, writable  # noqa: E402
+
+
+def test_output_dirs_that_can_be_created_pass_and_nothing_is_created(tmp_path):
+    writable({"run directory": tmp_path / "runs" / "train", "checkpoint directory": tmp_path,
+              "export directory": tmp_path / "export"}, beside=("export directory",))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_dir_under_a_file_or_that_is_a_file_is_refused_with_every_problem(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputDirError) as e:
+        writable({"checkpoint directory": tmp_path / "f" / "checkpoints",
+                  "export directory": tmp_path / "f"})
+    msg = str(e.value)
+    assert f"checkpoint directory {tmp_path / 'f' / 'checkpoints'} cannot be created: " \
+           f"{tmp_path / 'f'} is not a directory" in msg
+    assert f"export directory {tmp_path / 'f'} exists and is not a directory" in msg
+    assert "No rank was started and nothing was deleted" in msg
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/sys is Linux's")
+def test_a_directory_nobody_can_write_in_is_refused_by_a_real_probe():
+    # /sys/kernel refuses new files even to root (chmod-based tests pass as root)
+    with pytest.raises(OutputDirError, match=r"checkpoint directory /sys/kernel/longft-ckpt cannot "
+                                             r"be created \(.*\): Permission denied; fix its "
+                                             r"permissions or owner"):
+        writable({"checkpoint directory": Path("/sys/kernel/longft-ckpt")})
+
+
+def test_train_stage_refuses_an_unwritable_checkpoint_dir_before_any_rank(tmp_path, monkeypatch,
+                                                                        capsys):
+    params = merge(to_dict(Config()), {"data": {"num_samples": 2, "max_seq_length": 1024}})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    run_all(tmp_path / "params.yaml", tmp_path, ("prepare", "patch"))
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "blocker").write_text("a file where checkpoints/ would go")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    monkeypatch.setattr(sys, "argv", [
+        "train.py", "--params", str(tmp_path / "params.yaml"),
+        "--plan", str(tmp_path / "artifacts/plan.json"),
+        "--ds-config", str(tmp_path / "artifacts/ds_config.json"), "--data", str(tmp_path / "data"),
+        "--run", str(tmp_path / "run"), "--checkpoints", str(tmp_path / "blocker" / "ckpt"),
+        "--export", str(tmp_path / "export")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(REPO / "stages" / "train.py"), run_name="__main__")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("longft train: the train stage cannot write its outputs")
+    assert f"checkpoint directory {tmp_path / 'blocker' / 'ckpt'} cannot be created" in err
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before and not (tmp_path / "run").exists()
