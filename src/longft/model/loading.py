@@ -100,7 +100,7 @@ def load_model_config(mc: ModelConfig):
                 f"pick one of those or set model.source: pretrained for a hub id")
         return _architecture_config(f)
     try:
-        return AutoConfig.from_pretrained(mc.name, trust_remote_code=mc.trust_remote_code)
+        config = AutoConfig.from_pretrained(mc.name, trust_remote_code=mc.trust_remote_code)
     except StrictDataclassError as e:
         raise ModelError(f"model.name: the config.json of {mc.name!r} is invalid: "
                          f"{_validation_problem(e)}; fix it in that file") from None
@@ -111,6 +111,61 @@ def load_model_config(mc: ModelConfig):
             f"{str(e).splitlines()[0]}). Give a local directory written by save_pretrained, a hub id "
             f"reachable from this machine, or set model.source: random with an architecture in "
             f"configs/models") from None
+    check_weights(mc.name)  # prepare and patch read this config: a broken shard stops them
+    return config
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _shard_keys(f: Path) -> set[str]:
+    """The tensor names in a safetensors file's header (the header only: nothing is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(f), "pt") as h:
+            return set(h.keys())
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"model.name: {f} is not a readable safetensors file ({e}); download "
+                         "or save the model again (a copy cut short or an HTML error page "
+                         "saved as weights looks like this)") from None
+
+
+def check_weights(name: str) -> None:
+    """For a local model directory: every safetensors shard has a valid header that covers the
+    whole file, and the index (model.safetensors.index.json) names only shards that exist and
+    tensors that are in them. Raises ModelError naming the file, before any rank starts (a
+    broken shard used to surface as a traceback on rank 0 after prepare and patch had passed).
+    Hub ids are left to from_pretrained, which downloads and checks them."""
+    d = Path(name)
+    if not d.is_dir():
+        return
+    index = d / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not a mapping")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelError(f"model.name: {index} is not a valid safetensors index ({type(e).__name__}: "
+                             f"{e}); download or save the model again") from None
+        by_shard: dict[str, set[str]] = {}
+        for tensor, shard in weight_map.items():
+            by_shard.setdefault(str(shard), set()).add(tensor)
+        missing = sorted(s for s in by_shard if not (d / s).is_file())
+        if missing:
+            raise ModelError(f"model.name: {index} names shards that are not in {d}: "
+                             f"{', '.join(missing)}; download or save the model again")
+        for shard, tensors in sorted(by_shard.items()):
+            absent = sorted(tensors - _shard_keys(d / shard))
+            if absent:
+                raise ModelError(
+                    f"model.name: {d / shard} lacks {len(absent)} tensor(s) that {INDEX} puts in "
+                    f"it (e.g. {absent[0]}); the shards and the index are of different saves: "
+                    "download or save the model again")
+        return
+    for f in sorted(d.glob("*.safetensors")):
+        _shard_keys(f)
 
 
 def tokenizer_path(mc: ModelConfig) -> str:
