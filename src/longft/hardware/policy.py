@@ -28,8 +28,11 @@ class PlanError(ConfigError):
         super().__init__(problems, "params.yaml for this hardware")
 
 
-def resolve(cfg: Config, hw: Hardware, model_type: str) -> dict[str, Choice]:
-    """Resolve every knob for `hw`, in order; raise PlanError listing every problem at once."""
+def resolve(cfg: Config, hw: Hardware, model_type: str,
+            softcap: float | None = None) -> dict[str, Choice]:
+    """Resolve every knob for `hw`, in order; raise PlanError listing every problem at once.
+    softcap: the model's attention logit softcapping (model.patches.attention_softcap), which
+    the attention kernel must apply."""
     out: dict[str, Choice] = {}
     problems: list[str] = []
 
@@ -41,7 +44,7 @@ def resolve(cfg: Config, hw: Hardware, model_type: str) -> dict[str, Choice]:
     device = put("device", resolve_device(cfg, hw))
     problems.extend(check_num_gpus(cfg, hw, device))
     precision = put("precision", resolve_precision(cfg, hw, device))
-    attention = put("attention", resolve_attention(cfg, hw, device))
+    attention = put("attention", resolve_attention(cfg, hw, device, softcap))
     put("sdpa_backend", resolve_sdpa_backend(cfg, hw, device, attention))
     put("packed_attention", resolve_packed_attention(cfg, hw, device, attention))
     put("liger", resolve_liger(cfg, hw, device, model_type))
@@ -110,9 +113,28 @@ def resolve_precision(cfg: Config, hw: Hardware, device: str) -> tuple[Choice, l
     return Choice(p, "set in params"), []
 
 
-def resolve_attention(cfg: Config, hw: Hardware, device: str) -> tuple[Choice, list[str]]:
-    """auto: FlashAttention-2 where flash-attn is installed on compute capability >= 8.0, else SDPA."""
+def resolve_attention(cfg: Config, hw: Hardware, device: str,
+                      softcap: float | None = None) -> tuple[Choice, list[str]]:
+    """auto: FlashAttention-2 where flash-attn is installed on compute capability >= 8.0, else SDPA.
+    A model that softcaps its attention logits (Gemma 2: attn_logit_softcapping) needs a kernel
+    that applies the cap, which SDPA (and longft's packed attention over it) cannot: auto takes
+    FlashAttention-2 where it runs, else eager, and says so; a pinned sdpa is refused."""
     a, cap_s = cfg.kernels.attention, _capability(hw)
+    fa2 = device == "cuda" and _ampere(hw) and hw.flash_attn
+    if softcap:
+        cap = f"the model softcaps attention logits (attn_logit_softcapping {softcap:g})"
+        if a == "auto" and fa2:
+            return Choice("flash_attention_2", f"auto: {cap}, which SDPA ignores; "
+                          "FlashAttention-2 applies it"), []
+        if a == "auto":
+            return Choice("eager", f"auto: {cap}, which SDPA ignores; eager attention applies it "
+                          "(it builds [seq x seq] scores, so memory grows with the square of the "
+                          "sequence: flash-attn on compute capability >= 8.0 avoids that)"), []
+        if a == "sdpa":
+            return Choice(a, "set in params"), [
+                f"kernels.attention: sdpa cannot apply this model's attention logit softcapping "
+                f"(attn_logit_softcapping {softcap:g}): it would train a different model; set "
+                "kernels.attention: auto, eager or flash_attention_2"]
     if a == "auto":
         if device == "cuda" and _ampere(hw) and hw.flash_attn:
             return Choice("flash_attention_2",

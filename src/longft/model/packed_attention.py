@@ -27,6 +27,8 @@ from __future__ import annotations
 import inspect
 from functools import lru_cache
 
+from longft.errors import UserError
+
 NAME = "longft_packed"
 """The attention implementation name longft registers (config._attn_implementation)."""
 KERNELS = ("varlen", "per_document")
@@ -130,6 +132,29 @@ def varlen(module, query, key, value, cu, longest: int, scaling):
     return out.view(b, s, h, d)
 
 
+class PackedAttentionError(UserError, RuntimeError):
+    """The model asks of its attention what longft's packed attention cannot do."""
+
+
+def _refuse_what_it_cannot_apply(query, cu_seq_lens_q, max_length_q, kwargs) -> None:
+    """Softcapped logits (Gemma 2) and sliding windows shorter than a document: neither SDPA per
+    document nor varlen_attn applies them, and no mask does it for them (none is built); training
+    on would silently train a different model. The hardware policy keeps softcapping models off
+    this path (kernels.attention auto: eager or flash_attention_2); this is the last guard."""
+    cap = kwargs.get("softcap")
+    if cap is not None:
+        raise PackedAttentionError(
+            f"{NAME} attention cannot apply attention logit softcapping ({cap:g}); set "
+            "kernels.attention: auto (eager or flash_attention_2) and re-run the patch stage")
+    window = kwargs.get("sliding_window")
+    longest = int(max_length_q) if cu_seq_lens_q is not None else query.shape[2]
+    if window is not None and 0 < window < longest:
+        raise PackedAttentionError(
+            f"{NAME} attention cannot apply the model's sliding window ({window} tokens) to a "
+            f"{longest}-token document; set kernels.packed_attention: mask (or "
+            "kernels.attention: flash_attention_2), or data.max_seq_length <= the window")
+
+
 def make_forward(kernel: str):
     """The attention function registered as NAME for `kernel` (one of KERNELS)."""
     if kernel not in KERNELS:
@@ -140,8 +165,7 @@ def make_forward(kernel: str):
         if attention_mask is not None:
             raise RuntimeError(f"{NAME} attention got an explicit attention mask; longft's packed "
                                "attention takes document boundaries, not masks")
-        if kwargs.get("softcap") is not None:
-            raise RuntimeError(f"{NAME} attention cannot apply attention logit softcapping")
+        _refuse_what_it_cannot_apply(query, cu_seq_lens_q, max_length_q, kwargs)
         if cu_seq_lens_q is None:  # one document a row: the single-sequence kernel
             return _sdpa()(module, query, key, value, None, dropout=dropout, scaling=scaling,
                            is_causal=is_causal)

@@ -46,6 +46,29 @@ def apply_liger(model) -> None:
                                     cross_entropy=False, fused_linear_cross_entropy=True)
 
 
+def attention_softcap(model_config) -> float | None:
+    """The model's attention logit softcapping (Gemma 2: attn_logit_softcapping = 50), or None.
+    scores = cap * tanh(scores / cap) before the softmax: eager and FlashAttention-2 apply it;
+    SDPA and longft's packed attention (which runs SDPA or varlen_attn) cannot."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    cap = getattr(text, "attn_logit_softcapping", None)
+    return float(cap) if isinstance(cap, (int, float)) and cap else None
+
+
+def _check_softcap(model, packed: str) -> None:
+    """A softcapping model never runs on a kernel that drops the cap (a plan.json written before
+    the attention policy knew about it, or a model that changed under it)."""
+    cap = attention_softcap(model.config)
+    impl = getattr(model.config, "_attn_implementation", None)
+    if cap and (packed in packed_attention.KERNELS or impl in ("sdpa", packed_attention.NAME)):
+        what = (f"kernels.packed_attention {packed} (SDPA per document / varlen_attn)"
+                if packed in packed_attention.KERNELS else f"attention {impl}")
+        raise PatchError(f"the model softcaps attention logits (attn_logit_softcapping {cap:g}), "
+                         f"which {what} cannot apply; set kernels.attention: auto (eager or "
+                         "flash_attention_2) and kernels.packed_attention: auto, and re-run the "
+                         "patch stage")
+
+
 def rope_function(model) -> str:
     mod = importlib.import_module(type(model).__module__)
     fn = getattr(mod, "apply_rotary_pos_emb", None)
@@ -58,6 +81,7 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
     """Patch `model` in place; return the record of what was actually replaced. `packed` is the
     resolved kernels.packed_attention: varlen / per_document install longft's per-document
     attention (model/packed_attention.py); the other values leave attention as it is."""
+    _check_softcap(model, packed)
     if liger:
         apply_liger(model)
     # after Liger: tiles run Liger's SwiGLU MLP; checkpointing here is always non-reentrant

@@ -51,7 +51,7 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     """Return (plan, ds_config) for cfg on hw; raises PlanError/ModelError on impossible requests."""
     mc = load_model_config(cfg.model)
     check_context_length(mc, cfg.data.max_seq_length, cfg.model.name)
-    choices = hardware.resolve(cfg, hw, mc.model_type)
+    choices = hardware.resolve(cfg, hw, mc.model_type, patch.attention_softcap(mc))
     precision = choices["precision"].value
     model = meta_model(mc, choices["attention"].value, cfg.model.trust_remote_code)
     try:
