@@ -204,7 +204,7 @@ def test_outputs(tmp_path):
     with open(out / "memory.csv", newline="") as f:
         mem = list(csv.DictReader(f))
     assert list(mem[0]) == ["t_rel_s", "rss_tree_gib", "sys_used_minus_baseline_gib",
-                            "gpu0_used_gib", "gpu1_used_gib"]
+                            "gpu0_used_gib", "gpu1_used_gib", "gpu0_util_pct", "gpu1_util_pct"]
     assert len(mem) == 2000  # resampled from 5000 rows, keeping each bin's maximum
     assert max(float(r["rss_tree_gib"]) for r in mem) == 5.0
     assert max(float(r["sys_used_minus_baseline_gib"]) for r in mem) == 3.0

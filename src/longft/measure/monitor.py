@@ -7,7 +7,9 @@
 - sys_used_bytes: system-wide used memory, psutil's total - available; the summary reports its peak
   minus the value at start, i.e. what the run added to the machine (pinned buffers included).
 - per GPU, when NVML is present: device memory used (all processes, like nvidia-smi) and
-  utilisation %. Without a driver, NVML or GPUs these columns are simply absent.
+  utilisation %. Without a driver, NVML or GPUs these columns are simply absent. summary()'s
+  gpu_util_mean_pct averages every sample (set-up included); the metrics stage reports the mean
+  over the timed steps instead (`util_over_windows`).
 
     with HostSampler(csv_path=Path("runs/train/memory.csv")) as s:
         subprocess.run(cmd)
@@ -125,6 +127,26 @@ def _rss_sum(procs) -> int:
         except psutil.Error:  # vanished, zombie or not ours: contributes nothing
             pass
     return total
+
+
+def util_over_windows(header: list[str], rows: list[list[Optional[float]]],
+                      windows: list[tuple[float, float]]) -> list[Optional[float]]:
+    """Mean utilisation % per GPU over the samples (a sampler CSV: header and float rows) whose
+    time falls in one of `windows` ([(start, end)] in unix seconds, e.g. the timed steps), so
+    model load, engine set-up and the final checkpoint do not dilute it. None for a GPU without
+    a sample there."""
+    cols = [i for i, c in enumerate(header) if c.startswith("gpu") and c.endswith("_util_pct")]
+    spans = sorted(windows)
+    sums, counts = [0.0] * len(cols), [0] * len(cols)
+    for r in rows:
+        t = r[0]
+        if t is None or not any(lo <= t <= hi for lo, hi in spans):
+            continue
+        for k, i in enumerate(cols):
+            if r[i] is not None:
+                sums[k] += r[i]
+                counts[k] += 1
+    return [s / n if n else None for s, n in zip(sums, counts)]
 
 
 class HostSampler:

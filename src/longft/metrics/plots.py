@@ -2,7 +2,8 @@
 
 Input is the HostSampler CSV (t, rss_tree_bytes, sys_used_bytes, gpu{i}_used_bytes,
 gpu{i}_util_pct); a row cut short by a killed run, or any row that does not parse, is skipped.
-Output rows are (t_rel_s, rss_tree_gib, sys_used_minus_baseline_gib, gpu{i}_used_gib).
+Output rows are (t_rel_s, rss_tree_gib, sys_used_minus_baseline_gib, gpu{i}_used_gib,
+gpu{i}_util_pct); the PNG draws each GPU's utilisation on the VRAM panel (right axis, %).
 """
 
 from __future__ import annotations
@@ -72,17 +73,20 @@ def gib_timeline(header: list[str], rows: list[list[Optional[float]]], t0: Optio
         return [], []
     col = {name: i for i, name in enumerate(header)}
     gpu_cols = [c for c in header if c.startswith("gpu") and c.endswith("_used_bytes")]
+    util_cols = [c for c in header if c.startswith("gpu") and c.endswith("_util_pct")]
     t0 = rows[0][0] if t0 is None else t0
     base = rows[0][col["sys_used_bytes"]] if sys_baseline is None else sys_baseline
     out_header = ["t_rel_s", "rss_tree_gib", "sys_used_minus_baseline_gib"]
     out_header += [c.replace("_used_bytes", "_used_gib") for c in gpu_cols]
+    out_header += util_cols
 
     def convert(r):
         sys_used = r[col["sys_used_bytes"]]
         vals = [r[col["rss_tree_bytes"]],
                 None if sys_used is None or base is None else sys_used - base]
         vals += [r[col[c]] for c in gpu_cols]
-        return [r[0] - t0] + [None if v is None else v / GIB for v in vals]
+        return ([r[0] - t0] + [None if v is None else v / GIB for v in vals]
+                + [r[col[c]] for c in util_cols])
 
     conv = [convert(r) for r in rows]
     if len(conv) <= max_rows:
@@ -94,7 +98,10 @@ def gib_timeline(header: list[str], rows: list[list[Optional[float]]], t0: Optio
         row = [chunk[0][0]]
         for j in range(1, len(out_header)):
             vals = [r[j] for r in chunk if r[j] is not None]
-            row.append(max(vals) if vals else None)
+            if out_header[j].endswith("_util_pct"):  # a rate: the bin's mean, not its peak
+                row.append(sum(vals) / len(vals) if vals else None)
+            else:
+                row.append(max(vals) if vals else None)
         out.append(row)
     return out_header, out
 
@@ -105,7 +112,8 @@ def memory_png(header: list[str], rows: list[list[Optional[float]]],
     (solid: timed, dotted: warm-up). Empty data still gives a PNG that says so."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
-    gpu_cols = [j for j, c in enumerate(header) if c.startswith("gpu")]
+    gpu_cols = [j for j, c in enumerate(header) if c.startswith("gpu") and c.endswith("_used_gib")]
+    util_cols = [j for j, c in enumerate(header) if c.startswith("gpu") and c.endswith("_util_pct")]
     fig = Figure(figsize=(10, 6.5 if gpu_cols else 4), dpi=100, layout="constrained")
     axes = fig.subplots(2 if gpu_cols else 1, 1, sharex=True, squeeze=False)[:, 0]
     t = [r[0] for r in rows]
@@ -119,6 +127,14 @@ def memory_png(header: list[str], rows: list[list[Optional[float]]],
             ax.plot(t, series(j), lw=1.2, label=header[j].replace("_used_gib", " used (NVML)"))
         ax.set_ylabel("VRAM (GiB)")
         ax.legend(loc="upper left", fontsize=8)
+        if util_cols:  # utilisation beside the memory it works on: set-up shows as idle
+            twin = ax.twinx()
+            for j in util_cols:
+                twin.plot(t, series(j), lw=0.8, ls="--", alpha=0.7,
+                          label=header[j].replace("_util_pct", " utilisation (NVML)"))
+            twin.set_ylabel("GPU utilisation (%)")
+            twin.set_ylim(0, 105)
+            twin.legend(loc="upper right", fontsize=8)
     ax = axes[-1]
     if rows:
         ax.plot(t, series(1), lw=1.2, label="RSS of process tree")

@@ -13,6 +13,8 @@ Aggregation (warm-up steps, `timed: false`, are left out of every speed number):
   loss           per step, the token-weighted mean over ranks.
   mfu            tokens_per_s x flops_per_token(model_config, seq_len) / (world_size x dense peak
                  FLOPS of gpu_name at the run's precision); null when the GPU is unknown or CPU.
+  gpu_util_mean_pct  NVML utilisation (memory.csv) averaged over the samples taken during the
+                 timed steps and over the GPUs; model load and set-up are left out.
   status         "complete" only when every rank wrote {"type": "end", "status": "complete"}.
                  Otherwise "incomplete" (not a valid result), with the numbers of the steps done;
                  end_status says why: "interrupted" (stop_signal SIGINT/SIGTERM: stopped after a
@@ -36,6 +38,7 @@ from longft.atomic import write_bytes
 from longft.config.plan import Plan, PlanFileError
 from longft.estimate.estimator import compare
 from longft.estimate.flops import flops_per_token, mfu, peak_flops
+from longft.measure.monitor import util_over_windows
 from longft.metrics.plots import gib_timeline, memory_png, read_timeline, render_report, timeline_peaks
 
 log = logging.getLogger(__name__)
@@ -216,6 +219,16 @@ def _peak_dram(mon: dict, rows: list[dict]) -> dict:
                 _gib(_num(mon.get("sys_used_minus_baseline_peak_bytes")))}
 
 
+def _timed_util(run_dir: Path, timed: list[dict]) -> list[Optional[float]]:
+    """Per GPU, the mean NVML utilisation of the samples taken during the timed steps (from a step's
+    end minus its latency to its end), not of the whole run (model load, set-up, checkpoint)."""
+    windows = [(r["t"] - r["iter_latency_s"], r["t"]) for r in timed if r["t"] is not None]
+    if not windows:
+        return []
+    header, rows = read_timeline(run_dir / "memory.csv")
+    return util_over_windows(header, rows, windows)
+
+
 def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]:
     """(train metrics, environment, per-step loss rows) of a run directory; never raises on
     partial or missing files: what is unknown is null and status is "incomplete" (no plan: no
@@ -250,7 +263,7 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
     peak = peak_flops(env_rec.get("gpu_name"), env_rec.get("precision") or "")
     n_gpus = world_size if env_rec.get("gpu_name") else None
     losses = [r["loss"] for r in rows if r["loss"] is not None]
-    util = [u for u in (_num(x) for x in mon.get("gpu_util_mean_pct") or []) if u is not None]
+    util = [u for u in _timed_util(run_dir, timed) if u is not None]
     all_tokens = sum(_num(x.get("tokens")) or 0.0
                      for rl in ranks.values() for x in rl.iters.values())
     all_seq = sum(r["seq_tokens"] for r in rows)
