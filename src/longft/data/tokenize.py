@@ -6,6 +6,10 @@
 - prompt_completion: bos + prompt (masked) + completion + eos (trained).
 - text: bos + text + eos, all trained.
 `train_on_prompt` trains on every token. Labels are aligned with input_ids; the model shifts them.
+
+A `text` record far longer than a row (one 50 MB book: 87 s and 9.9 GiB RSS to tokenize whole, only
+to be cut to max_seq_length) is tokenized a prefix at a time (`text_ids`): CHARS_PER_TOKEN
+characters per token needed, doubled until the prefix gives enough tokens.
 """
 
 from __future__ import annotations
@@ -89,8 +93,42 @@ def _plain(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_record(record: Record, tokenizer, train_on_prompt: bool = False) -> Sample:
-    """Tokenize one record into a Sample; labels are IGNORE_INDEX where not trained on."""
+CHARS_PER_TOKEN = 16
+"""First guess of characters a token covers when only a text's first tokens are needed: above
+every real tokenizer's average (~4 for English BPE, 1 for the byte tokenizer), so one prefix is
+almost always enough."""
+_MARGIN = 16
+"""Tokens beyond the ones needed that a prefix must give: the last few tokens of a prefix can
+differ from the whole text's (a word cut in two), so they are never used."""
+
+
+def text_ids(tokenizer, text: str, max_tokens: int | None,
+             chars_per_token: int = CHARS_PER_TOKEN) -> tuple[list[int], bool]:
+    """(token ids, complete) of `text` without special tokens. max_tokens None: all of it,
+    complete. Otherwise the work is bounded by the tokens needed, not by the text: a prefix of
+    max_tokens x chars_per_token characters (cut at a whitespace) is tokenized, and a twice as
+    long one only while it gives too few tokens. complete False: the ids are the text's first
+    max_tokens tokens (the same ones the whole text gives: the prefix's last tokens, which a cut
+    word can change, are dropped) and the text has more."""
+    if max_tokens is None:
+        return _plain(tokenizer, text), True
+    n = max(1, max_tokens + _MARGIN) * chars_per_token
+    while n < len(text):
+        cut = text.rfind(" ", n // 2, n)  # end on a whole word where there is one
+        ids = _plain(tokenizer, text[:cut if cut > 0 else n])
+        if len(ids) > max_tokens + _MARGIN:
+            return ids[:max_tokens], False
+        n *= 2
+    ids = _plain(tokenizer, text)
+    return (ids, True) if len(ids) <= max_tokens else (ids[:max_tokens], False)
+
+
+def tokenize_record(record: Record, tokenizer, train_on_prompt: bool = False,
+                    max_tokens: int | None = None) -> Sample:
+    """Tokenize one record into a Sample; labels are IGNORE_INDEX where not trained on.
+    max_tokens (for samples that will be cut to that length, data.truncate): a `text` record is
+    tokenized only as far as needed (`text_ids`); one that is longer comes back with
+    max_tokens + 1 tokens (no eos), so the caller's length check still sees it as too long."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if record.format == "messages":
@@ -104,7 +142,9 @@ def tokenize_record(record: Record, tokenizer, train_on_prompt: bool = False) ->
         ids = np.asarray(prompt + completion)
         trained = np.arange(len(ids)) >= len(prompt)
     elif record.format == "text":
-        ids = np.asarray(bos + _plain(tokenizer, record.text) + eos)
+        body, complete = text_ids(tokenizer, record.text,
+                                  None if max_tokens is None else max_tokens + 1 - len(bos))
+        ids = np.asarray(bos + body + (eos if complete else []))
         trained = np.ones(len(ids), dtype=bool)
     else:
         raise ValueError(f"unknown record format {record.format!r}")
