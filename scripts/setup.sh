@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-if ! python -c "import longft, deepspeed, transformers, dvc, pytest, ruff" 2>/dev/null; then
+if ! python -c "import longft, deepspeed, transformers, dvc, dvclive, tensorboard, pytest, ruff" 2>/dev/null; then
   python -m pip install -q --upgrade pip
   if ! command -v nvidia-smi >/dev/null 2>&1; then
     # No GPU: the CPU build of torch (this pin is the one the CPU wheel exists for).

@@ -198,7 +198,7 @@ def test_outputs(tmp_path):
     assert json.loads((out / "env.json").read_text())["precision"] == "bf16"
     with open(out / "loss.csv", newline="") as f:
         loss = list(csv.DictReader(f))
-    assert list(loss[0]) == ["step", "loss", "lr", "tokens_per_s", "iter_latency_s"]
+    assert list(loss[0]) == ["step", "loss", "lr", "tokens_per_s", "iter_latency_s", "grad_norm", "epoch"]
     assert [int(r["step"]) for r in loss] == [1, 2, 3, 4, 5]
     assert float(loss[3]["iter_latency_s"]) == 2.2
     with open(out / "memory.csv", newline="") as f:

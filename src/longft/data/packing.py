@@ -40,6 +40,16 @@ def fit_length(sample: Sample, max_len: int, truncate: bool, bad: BadRecords) ->
     return None
 
 
+def split_sample(sample: Sample, max_len: int) -> list[Sample]:
+    """A sample cut into consecutive pieces of max_len tokens (the last one shorter), each its own
+    document: nothing is lost but, at each cut, the label of the piece's first token (a document's
+    first label never reaches the loss, see build_row). For long `text` records (data.split_text)."""
+    n = len(sample)
+    parts = range(0, n, max_len)
+    return [Sample(sample.input_ids[i:i + max_len], sample.labels[i:i + max_len],
+                   f"{sample.where} part {k + 1}/{len(parts)}") for k, i in enumerate(parts)]
+
+
 def trainable_tokens(sample: Sample) -> int:
     """Labels that reach the loss once packed (the first token of a document never does)."""
     return int(np.count_nonzero(sample.labels[1:] != IGNORE_INDEX))

@@ -114,17 +114,24 @@ def _parse_messages(obj: dict, where: str) -> tuple[dict, ...]:
 # --------------------------------------------------------------------------- raw sources
 
 
+class _Line(bytes):
+    """A jsonl line, parsed only when used: the lines past data.num_samples are only counted."""
+
+    def decode_record(self, where: str) -> Any:
+        try:
+            return json.loads(self)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            return _bad(where, f"not valid JSON ({e})", "bad_json")
+
+
 def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    """(where, object) per non-blank line; a line that is not JSON yields a DataError instead."""
+    """(where, line) per non-blank line; the reader parses it (a line that is not JSON becomes a
+    DataError)."""
     with path.open("rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
-            try:
-                yield where, json.loads(line)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                yield where, _bad(where, f"not valid JSON ({e})", "bad_json")
+            yield f"{path}:{lineno}", _Line(line)
 
 
 def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
@@ -179,8 +186,9 @@ def _raw(dc: DataConfig) -> Iterator[tuple[str, Any]]:
 class RecordReader:
     """Iterates the validated records of `dc` (jsonl, parquet or hf), applying `bad`.
 
-    After iteration: `records_read` counts every record met (skipped ones included) and `format`
-    is the layout used. At most `dc.num_samples` valid records are yielded (0 = all).
+    After iteration: `records_read` counts every record met (skipped ones included), `format` is
+    the layout used, and `records_capped` the records left unread because `dc.num_samples` valid
+    records had been yielded (null = all are read). `cap_message()` says so in words.
     """
 
     def __init__(self, dc: DataConfig, bad: BadRecords):
@@ -190,14 +198,31 @@ class RecordReader:
         self.bad = bad
         self.format: str | None = None if dc.format == "auto" else dc.format
         self.records_read = 0
+        self.records_capped = 0
+
+    @property
+    def records_total(self) -> int:
+        return self.records_read + self.records_capped
+
+    def cap_message(self) -> str | None:
+        """What data.num_samples left out, and the fix; None when it left nothing out."""
+        if not self.records_capped:
+            return None
+        return (f"data.num_samples is {self.dc.num_samples}: read the first {self.records_read} of "
+                f"the {self.records_total} records of {self.dc.path} and dropped the other "
+                f"{self.records_capped}; set data.num_samples: null to use every record")
 
     def __iter__(self) -> Iterator[Record]:
-        yielded = 0
-        for where, obj in _raw(self.dc):
-            if self.dc.num_samples and yielded >= self.dc.num_samples:
+        yielded, cap = 0, self.dc.num_samples
+        raw = iter(_raw(self.dc))
+        for where, obj in raw:
+            if cap is not None and yielded >= cap:
+                self.records_capped = 1 + sum(1 for _ in raw)  # counted, not parsed
                 break
             self.records_read += 1
             try:
+                if isinstance(obj, _Line):
+                    obj = obj.decode_record(where)
                 if isinstance(obj, DataError):
                     raise obj
                 if self.format is None:

@@ -13,7 +13,7 @@ import os
 import platform
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,19 @@ from longft.config.params import Config
 from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
 from longft.engine import checkpoint, ds_config, grad_buffer, stop
-from longft.engine.batches import PASSES_BOUNDARIES, SkipFirst, doc_kwargs, micro_batches, real_tokens
+from longft.engine.batches import (
+    PASSES_BOUNDARIES,
+    SkipFirst,
+    doc_kwargs,
+    micro_batches,
+    micro_batches_per_epoch,
+    passes,
+    real_tokens,
+    steps_for_epochs,
+)
 from longft.engine.export import export
 from longft.errors import UserError
+from longft.measure import live
 from longft.measure.monitor import gpu_inventory
 from longft.measure.progress import LayerProgress
 from longft.measure.runlog import RunLog
@@ -138,10 +148,19 @@ def _step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool
     e = now()
     engine.step()
     f = now()
-    return dict(loss=sum(losses) / len(losses), lr=lr, tokens=tokens,
+    return dict(loss=sum(losses) / len(losses), lr=lr, grad_norm=_grad_norm(engine), tokens=tokens,
                 time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
                 skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded,
                 doc_sq_tokens=doc_sq)
+
+
+def _grad_norm(engine) -> float | None:
+    """The global L2 norm of this step's gradients, before clipping (DeepSpeed computes it in its
+    optimizer step, under ZeRO-3 over all partitions, CPU offload included); None when the step
+    was skipped (fp16 overflow) or DeepSpeed did not compute one."""
+    n = engine.get_global_grad_norm()
+    n = float(n.item() if hasattr(n, "item") else n) if n is not None else None
+    return n if n is not None and math.isfinite(n) else None
 
 
 def _first_step_warnings(rec: dict, offloader, patches: Patches) -> None:
@@ -204,6 +223,24 @@ class Session:
     rank: int
     world: int
     cuda: bool
+    rows: int = 0  # prepared training rows, for the passes over them (epoch)
+    live: Any = None  # measure/live.LiveMetrics: rank 0's dvclive (and TensorBoard) curves
+
+
+def with_steps(cfg: Config, rows: int) -> Config:
+    """cfg with train.iterations worked out from train.epochs and the prepared rows (cfg itself
+    when iterations is set): what the LR schedule, the step loop and the logs then read."""
+    t = cfg.train
+    if t.epochs is None:
+        return cfg
+    n = steps_for_epochs(t.epochs, rows, cfg.world_size, t.micro_batch_size, cfg.grad_accum_steps)
+    if t.warmup_iterations >= n:
+        raise TrainingError(
+            f"train.epochs {t.epochs} is {n} optimizer step(s) over {rows} prepared rows (global "
+            f"batch {t.global_batch_size}), not more than train.warmup_iterations "
+            f"({t.warmup_iterations}), so no step would be timed; raise train.epochs, lower "
+            f"train.warmup_iterations or train.global_batch_size, or prepare more data")
+    return replace(cfg, train=replace(t, iterations=n))
 
 
 def _init_distributed(cfg: Config, plan: Plan) -> tuple[int, int, bool]:
@@ -324,19 +361,28 @@ def _log_step(s: Session, cfg: Config, plan: Plan, step: int, rec: dict, log: Ru
     if not math.isfinite(rec["loss"]):
         raise TrainingError(f"loss is {rec['loss']} at step {step}: training would go "
                             f"on on garbage. Lower optim.lr, check the data, or use bf16")
+    epoch = passes(step, s.rows, s.world, cfg.train.micro_batch_size, cfg.grad_accum_steps) \
+        if s.rows else None
     rec.update(step=step, timed=step > cfg.train.warmup_iterations,
                seq_tokens=cfg.grad_accum_steps * cfg.train.micro_batch_size * cfg.data.max_seq_length,
                max_allocated_bytes=torch.cuda.max_memory_allocated() if s.cuda else None,
-               max_reserved_bytes=torch.cuda.max_memory_reserved() if s.cuda else None)
+               max_reserved_bytes=torch.cuda.max_memory_reserved() if s.cuda else None,
+               epoch=None if epoch is None else round(epoch, 4))
     log.write("iter", **rec)
     if step == s.start + 1 and s.rank == 0:
         _first_step_warnings(rec, s.offloader, plan.patches)
     if s.rank == 0:
-        bar.set_postfix(loss=f"{rec['loss']:.4f}",
-                        tok_s=f"{rec['tokens'] * s.world / rec['time_s']:.0f}")
+        tok_s = rec["tokens"] * s.world / rec["time_s"]  # rank 0's tokens x ranks; metrics sum them
+        gnorm = "-" if rec.get("grad_norm") is None else f"{rec['grad_norm']:.3g}"
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", gnorm=gnorm, tok_s=f"{tok_s:.0f}")
+        if s.live is not None:
+            s.live.log(step, {"loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec.get("grad_norm"),
+                              "tokens_per_s": tok_s, "epoch": epoch})
         if step % cfg.train.log_every == 0 and bar.disable:
+            ep = "" if epoch is None else f" epoch {epoch:.2f}"
             print(f"step {step}/{cfg.train.iterations} loss {rec['loss']:.4f} "
-                  f"lr {rec['lr']:.2e} {rec['time_s']:.2f} s/step", flush=True)
+                  f"lr {rec['lr']:.2e} grad_norm {gnorm} {tok_s:,.0f} tok/s "
+                  f"{rec['time_s']:.2f} s/step{ep}", flush=True)
 
 
 def _periodic_checkpoint(s: Session, cfg: Config, ckpt_dir: Path | None, step: int) -> bool:
@@ -404,9 +450,22 @@ def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
     the current step, see stop.py."""
     import torch.distributed as dist
 
+    live.check_available(cfg.output.tensorboard)  # before any model work
+    rows = len(PreparedDataset(data_dir))
+    cfg = with_steps(cfg, rows)  # train.epochs -> train.iterations, before the LR schedule is made
     s = setup(cfg, plan, ds, data_dir, ckpt_dir)
-    with RunLog(run_dir, s.rank, resume_step=s.start) as log:
-        if s.rank == 0 and not s.start:
-            log.write("env", **environment(cfg, plan))
-        loop(s, cfg, plan, log, ckpt_dir, export_dir, stopper)
+    s.rows = rows
+    if s.rank == 0 and cfg.train.epochs is not None:
+        per_epoch = micro_batches_per_epoch(rows, s.world, cfg.train.micro_batch_size)
+        print(f"longft: train.epochs {cfg.train.epochs}: {rows} prepared rows, {per_epoch} "
+              f"micro-batches of {cfg.train.micro_batch_size} an epoch per rank, "
+              f"{cfg.grad_accum_steps} a step -> {cfg.train.iterations} optimizer steps", flush=True)
+    s.live = live.LiveMetrics(run_dir, s.start, cfg.output.tensorboard, enabled=s.rank == 0)
+    try:
+        with RunLog(run_dir, s.rank, resume_step=s.start) as log:
+            if s.rank == 0 and not s.start:
+                log.write("env", **environment(cfg, plan))
+            loop(s, cfg, plan, log, ckpt_dir, export_dir, stopper)
+    finally:
+        s.live.close()
     dist.barrier()

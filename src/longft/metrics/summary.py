@@ -11,6 +11,8 @@ Aggregation (warm-up steps, `timed: false`, are left out of every speed number):
   tokens_per_s   sum over timed steps and ranks of non-padding tokens / sum over timed steps of
                  the step latency. Steps skipped for fp16 overflow still count: they cost time.
   loss           per step, the token-weighted mean over ranks.
+  grad_norm      per step, DeepSpeed's global gradient norm before clipping (first, last, max).
+  epochs         passes over the prepared rows made by the last step (the "epoch" of its record).
   mfu            tokens_per_s x flops_per_token(model_config, seq_len) / (world_size x dense peak
                  FLOPS of gpu_name at the run's precision); null when the GPU is unknown or CPU.
   gpu_util_mean_pct  NVML utilisation (memory.csv) averaged over the samples taken during the
@@ -43,7 +45,7 @@ from longft.metrics.plots import gib_timeline, memory_png, read_timeline, render
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
-LOSS_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "iter_latency_s")
+LOSS_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "iter_latency_s", "grad_norm", "epoch")
 
 
 @dataclass
@@ -150,6 +152,8 @@ def _step_rows(ranks: dict[int, RankLog]) -> list[dict]:
             phases[k] = None if None in vals else max(vals)
         rows.append({
             "step": s, "loss": loss, "lr": _num(recs[0].get("lr")),
+            # the global norm (every rank logs the same), before clipping; passes over the data
+            "grad_norm": _num(recs[0].get("grad_norm")), "epoch": _num(recs[0].get("epoch")),
             "tokens_per_s": sum(tokens) / latency if latency else None,
             "iter_latency_s": latency, "tokens": sum(tokens),
             "seq_tokens": sum(_num(x.get("seq_tokens")) or 0.0 for x in recs),
@@ -263,6 +267,7 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
     peak = peak_flops(env_rec.get("gpu_name"), env_rec.get("precision") or "")
     n_gpus = world_size if env_rec.get("gpu_name") else None
     losses = [r["loss"] for r in rows if r["loss"] is not None]
+    norms = [r["grad_norm"] for r in rows if r["grad_norm"] is not None]
     util = [u for u in _timed_util(run_dir, timed) if u is not None]
     all_tokens = sum(_num(x.get("tokens")) or 0.0
                      for rl in ranks.values() for x in rl.iters.values())
@@ -300,6 +305,11 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
         "loss": {"first": _r(losses[0], 5) if losses else None,
                  "last": _r(losses[-1], 5) if losses else None,
                  "min": _r(min(losses), 5) if losses else None},
+        "grad_norm": {"first": _r(norms[0], 5) if norms else None,
+                      "last": _r(norms[-1], 5) if norms else None,
+                      "max": _r(max(norms), 5) if norms else None},
+        # passes over the prepared rows after the last step (fractional; null before it was logged)
+        "epochs": _r(rows[-1]["epoch"], 4) if rows and rows[-1]["epoch"] is not None else None,
         "tokens_seen": int(all_tokens),
         "padding_fraction": _r(1 - sum(r["tokens"] for r in rows) / all_seq, 4)
         if all_seq > 0 else None,
