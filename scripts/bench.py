@@ -23,14 +23,22 @@ sys.path.insert(0, str(REPO / "src"))
 
 from longft.atomic import write_json, write_text  # noqa: E402
 from longft.config.params import ConfigError, merge  # noqa: E402
+from longft.config.typed_yaml import DuplicateKeyError, load_yaml  # noqa: E402
 from longft.run.pipeline import run_params  # noqa: E402
 
 
 def overlay_params(overlay_path: Path, base: Path) -> tuple[dict, dict, str]:
-    """(the base params with the overlay merged on, the overlay, its bench_note)."""
-    overlay = yaml.safe_load(overlay_path.read_text()) or {}
+    """(the base params with the overlay merged on, the overlay, its bench_note). The strict
+    loader, as params.load: a key given twice is a ConfigError, never the last one kept."""
+    def read(path: Path) -> dict:
+        try:
+            return load_yaml(path.read_text()) or {}
+        except DuplicateKeyError as e:
+            raise ConfigError([e.problem], str(path)) from None
+
+    overlay = read(overlay_path)
     note = overlay.pop("bench_note", "")
-    return merge(yaml.safe_load(base.read_text()) or {}, overlay), overlay, note
+    return merge(read(base), overlay), overlay, note
 
 
 def run_row(overlay_path: Path, base: Path, work_root: Path, results: Path, commit: str) -> dict:

@@ -272,8 +272,7 @@ def prepare(params_path: str, cfg, hw, model_type: str, estimated: dict, gpu_mem
     `estimated`: the resolved `auto` values the estimate used."""
     import tempfile
 
-    import yaml
-
+    from longft.config.typed_yaml import DuplicateKeyError, load_yaml
     from longft.hardware import resolve
 
     where = "longft max-context --confirm"
@@ -300,7 +299,10 @@ def prepare(params_path: str, cfg, hw, model_type: str, estimated: dict, gpu_mem
         notes.append(f"--host-mem {host_mem:g} GiB is more than this machine's {hw.host_mem_gib:g} "
                      "GiB: the runs are limited by this machine's RAM")
     work = work or Path(tempfile.gettempdir()) / "longft-max-context"
-    raw = yaml.safe_load(Path(params_path).read_text()) or {}
+    try:  # the strict loader, as params.load: a repeated key is refused, not the last one kept
+        raw = load_yaml(Path(params_path).read_text()) or {}
+    except DuplicateKeyError as e:
+        raise ConfigError([e.problem], str(params_path)) from None
     if cfg.kernels.tiled_mlp == "auto":
         # the estimate resolved auto at its longest context; so do the runs (auto would turn the
         # tiled MLP on from 65,536 in some runs and not in others)

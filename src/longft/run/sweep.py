@@ -29,6 +29,7 @@ import yaml
 
 from longft.atomic import write_text
 from longft.config.params import ConfigError, from_dict, merge
+from longft.config.typed_yaml import DuplicateKeyError, load_yaml
 from longft.errors import UserError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -133,8 +134,13 @@ def load(grid_path: Path, base_path: Path = Path("params.yaml"),
     """Read, select (`only`: name globs) and validate a grid; raise SweepError listing all
     problems."""
     try:
-        raw = yaml.safe_load(Path(grid_path).read_text())
-        base = yaml.safe_load(Path(base_path).read_text()) or {}
+        # the strict loader, as params.load: a key given twice is refused, never the last one kept
+        where = grid_path
+        raw = load_yaml(Path(grid_path).read_text())
+        where = base_path
+        base = load_yaml(Path(base_path).read_text()) or {}
+    except DuplicateKeyError as e:
+        raise SweepError([e.problem], str(where)) from None
     except (OSError, yaml.YAMLError) as e:
         hint = "" if Path(base_path).is_file() else f" (run from the folder with {base_path})"
         raise SweepError([f"{e}{hint}"], str(grid_path)) from None
