@@ -22,11 +22,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from longft.config.params import load
     from longft.data.prepare import prepare
+    from longft.data.tracked import check_tracked
     from longft.errors import UserError
 
     start = time.perf_counter()
     try:
-        stats = prepare(load(args.params), Path(args.out))
+        cfg = load(args.params)
+        check_tracked(cfg)  # a local data file / model dir must be a DVC dep (params.yaml track.*)
+        stats = prepare(cfg, Path(args.out))
     except UserError as e:
         print(f"prepare: {e}", file=sys.stderr)
         return 2

@@ -40,6 +40,16 @@ def fit_length(sample: Sample, max_len: int, truncate: bool, bad: BadRecords) ->
     return None
 
 
+def fit_sample(sample: Sample, fmt: str, max_len: int, truncate: bool, split_text: bool,
+               bad: BadRecords) -> list[Sample]:
+    """What a tokenized record becomes: itself; a text record longer than max_len split into
+    pieces (split_text); otherwise cut (truncate) or refused as too_long ([] when skipped)."""
+    if fmt == "text" and split_text and len(sample) > max_len:
+        return split_sample(sample, max_len)
+    fitted = fit_length(sample, max_len, truncate, bad)
+    return [] if fitted is None else [fitted]
+
+
 def split_sample(sample: Sample, max_len: int) -> list[Sample]:
     """A sample cut into consecutive pieces of max_len tokens (the last one shorter), each its own
     document: nothing is lost but, at each cut, the label of the piece's first token (a document's

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from longft.config.params import Config
 from longft.data.errors import BadRecords, DataError
-from longft.data.packing import fit_length, iter_rows, plan_rows, trainable_tokens
+from longft.data.packing import fit_sample, iter_rows, plan_rows, trainable_tokens
 from longft.data.random_tokens import random_rows
 from longft.data.records import RecordReader
 from longft.data.store import DatasetWriter
@@ -52,25 +52,26 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict) -> list[S
         reader = None
     else:
         records = reader = RecordReader(dc, bad)
-    samples, lengths, truncated, untrainable = [], [], 0, 0
-    for rec in tqdm(records, total=dc.num_samples or None, desc="tokenize", unit="rec",
-                    disable=None):
+    samples, lengths, truncated, untrainable, split = [], [], 0, 0, 0
+    # a text record that will be cut is tokenized only as far as the cut (tokenize.text_ids)
+    bound = dc.max_seq_length if dc.truncate and not dc.split_text else None
+    for rec in tqdm(records, total=dc.num_samples, desc="tokenize", unit="rec", disable=None):
         try:
-            s = tokenize_record(rec, tok, dc.train_on_prompt)
+            s = tokenize_record(rec, tok, dc.train_on_prompt, max_tokens=bound)
         except DataError as e:
             if e.reason is None:  # not about this record (e.g. no chat template): stop
                 raise
             bad.handle(e)
             continue
         lengths.append(len(s))
-        fitted = fit_length(s, dc.max_seq_length, dc.truncate, bad)
-        if fitted is None:
-            continue
-        truncated += fitted is not s
-        if trainable_tokens(fitted) == 0:  # e.g. truncation cut off the whole answer
-            untrainable += 1
-            continue
-        samples.append(fitted)
+        pieces = fit_sample(s, rec.format, dc.max_seq_length, dc.truncate, dc.split_text, bad)
+        truncated += len(pieces) == 1 and pieces[0] is not s
+        split += len(pieces) > 1
+        for fitted in pieces:
+            if trainable_tokens(fitted) == 0:  # e.g. truncation cut off the whole answer
+                untrainable += 1
+                continue
+            samples.append(fitted)
     stats.update(
         format=reader.format if reader else "messages",
         records=reader.records_read if reader else dc.num_samples,
@@ -79,11 +80,52 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict) -> list[S
         dropped_untrainable_samples=untrainable,
         samples=len(samples),
         sample_length_histogram=length_histogram(lengths))
+    _drops(stats, reader, untrainable, split)
     if not samples:
         raise DataError(f"no trainable samples: {stats['records']} records read, skipped "
                         f"{stats['skipped'] or 'none'}, {untrainable} without a trained token after "
                         f"truncation; check data.path / data.format, or raise data.max_seq_length")
     return samples
+
+
+def _drops(stats: dict, reader: RecordReader | None, untrainable: int, split: int) -> None:
+    """stats.json's account of what did not reach the rows: records_total (in the source),
+    records_capped (left unread by data.num_samples), split_text_records, and `dropped`: every
+    record or sample left out, by reason (num_samples, the skipped reasons, untrainable)."""
+    capped = reader.records_capped if reader else 0
+    stats.update(records_total=reader.records_total if reader else stats["records"],
+                 records_capped=capped, split_text_records=split,
+                 dropped={k: v for k, v in [("num_samples", capped), *stats["skipped"].items(),
+                                            ("untrainable", untrainable)] if v},
+                 cap_note=reader.cap_message() if reader else None)
+
+
+def drop_notes(stats: dict, dc) -> list[str]:
+    """One line per way records or tokens were lost, with the fix (printed and in stats.json)."""
+    notes = [stats.pop("cap_note", None)]
+    skipped = dict(stats.get("skipped", {}))
+    too_long = skipped.pop("too_long", 0)
+    if too_long:
+        notes.append(f"{too_long} record(s) skipped as longer than data.max_seq_length "
+                     f"{dc.max_seq_length} (data.truncate false, data.on_bad_record skip); raise "
+                     f"data.max_seq_length or set data.truncate: true")
+    if skipped:
+        notes.append(f"{sum(skipped.values())} malformed record(s) skipped (data.on_bad_record: "
+                     f"skip): " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+                     + "; set data.on_bad_record: error to see each with its line")
+    if stats.get("dropped_untrainable_samples"):
+        notes.append(f"{stats['dropped_untrainable_samples']} sample(s) dropped with no trained "
+                     f"token left (after truncation the answer was gone, or nothing but the first "
+                     f"token of a piece); raise data.max_seq_length")
+    if stats.get("truncated_samples"):
+        notes.append(f"{stats['truncated_samples']} sample(s) cut to data.max_seq_length "
+                     f"{dc.max_seq_length}: their tails are not trained on (data.truncate: true); "
+                     f"raise it, or set data.truncate: false to refuse them")
+    if stats.get("split_text_records"):
+        notes.append(f"{stats['split_text_records']} text record(s) longer than "
+                     f"data.max_seq_length split into documents of {dc.max_seq_length} tokens "
+                     f"(data.split_text: true)")
+    return [n for n in notes if n]
 
 
 def documents_per_row(counts: list[int]) -> dict:
@@ -135,5 +177,8 @@ def prepare(cfg: Config, out_dir: str | Path) -> dict:
                      padding_tokens=tally.padding,
                      packing_efficiency=round(tally.tokens / (n * length), 4),
                      documents_per_row=documents_per_row(docs_per_row))
+        stats["notes"] = drop_notes(stats, dc)
+        for note in stats["notes"]:
+            print(f"prepare: note: {note}", flush=True)
         writer.commit(meta, {"stats.json": stats})
     return stats
