@@ -98,7 +98,8 @@ def main() -> int:
     Path(a.export).mkdir(parents=True, exist_ok=True)
     print("train:", " ".join(cmd), flush=True)
     env = environment(device, expandable_segments=cfg.hardware.expandable_segments)
-    code = run(cmd, env, run_dir, port if device == "cpu" else None)
+    code = run(cmd, env, run_dir, port if device == "cpu" else None,
+               auto_port=cfg.hardware.master_port == "auto")  # taken meanwhile: a fresh one
     if code and a.metrics:
         partial_metrics(run_dir, Path(a.plan), Path(a.metrics))
     return code

@@ -4,6 +4,11 @@
 sampler watching the whole process tree (launcher and every rank). The launcher runs in a session of
 its own; `run()` passes SIGINT/SIGTERM on to the ranks (a graceful stop, stop.py) and a guard process
 kills the launcher's group if this process dies first.
+
+The ranks' stderr passes through `run()` (a pseudo-terminal when ours is one, so progress bars stay
+as they are), which watches it for the rendezvous port being taken (EADDRINUSE) between
+`master_port()`'s check and the ranks' bind: with hardware.master_port auto the launch is retried
+on a fresh port; a pinned port gets a message instead of the ranks' tracebacks alone.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from longft.atomic import write_json
@@ -80,23 +86,145 @@ def drop_shm_buffers(port: int, shm: Path = Path("/dev/shm")) -> None:
         f.unlink(missing_ok=True)
 
 
-def run(cmd: list[str], env: dict, run_dir: Path, port: int | None = None) -> int:
-    """Run the launcher with the host-memory sampler; return its exit code."""
+PORT_TAKEN = re.compile(rb"EADDRINUSE|[Aa]ddress already in use")
+"""How torch's TCPStore (c10d rendezvous) reports a master port another process holds."""
+PORT_RETRIES = 3
+
+
+class _Tee:
+    """The launcher's stderr: copied to ours as it comes (through a pseudo-terminal when ours is
+    a terminal, so the ranks' progress bars still draw), its last 64 KiB kept to be searched."""
+
+    def __init__(self):
+        self.out = getattr(sys.stderr, "buffer", None)
+        tty = False
+        try:
+            tty = sys.stderr.isatty()
+        except (AttributeError, ValueError):
+            pass
+        if tty:
+            import pty
+
+            self.fd, self.child_fd = pty.openpty()
+            _copy_winsize(sys.stderr.fileno(), self.child_fd)
+        else:
+            self.fd, self.child_fd = os.pipe()
+        self.tail = b""
+        self.thread = threading.Thread(target=self._pump, name="longft-stderr", daemon=True)
+
+    def started(self) -> None:
+        """After the launcher is started: our copy of its end closed, the copying begun."""
+        os.close(self.child_fd)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:  # EIO: a pty's other side closed
+                break
+            if not chunk:
+                break
+            self.tail = (self.tail + chunk)[-65536:]
+            try:
+                if self.out is not None:
+                    self.out.write(chunk)
+                    self.out.flush()
+                else:
+                    sys.stderr.write(chunk.decode(errors="replace"))
+                    sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+    def finish(self) -> bytes:
+        self.thread.join(timeout=10)  # a straggler rank may hold the pipe: do not hang on it
+        os.close(self.fd)
+        return self.tail
+
+
+def _copy_winsize(src: int, dst: int) -> None:
+    try:
+        import fcntl
+        import termios
+
+        fcntl.ioctl(dst, termios.TIOCSWINSZ, fcntl.ioctl(src, termios.TIOCGWINSZ, b"\0" * 8))
+    except (OSError, ImportError):
+        pass
+
+
+def _with_port(cmd: list[str], port: int) -> list[str]:
+    """cmd with the value after --master_port replaced."""
+    i = cmd.index("--master_port")
+    return [*cmd[:i + 1], str(port), *cmd[i + 2:]]
+
+
+def _port_of(cmd: list[str]) -> int | None:
+    try:
+        return int(cmd[cmd.index("--master_port") + 1])
+    except (ValueError, IndexError):
+        return None
+
+
+def run(cmd: list[str], env: dict, run_dir: Path, port: int | None = None,
+        auto_port: bool = False) -> int:
+    """Run the launcher with the host-memory sampler; return its exit code. `port`: drop the
+    CPU all-reduce buffers of that port before and after. When the ranks fail because their
+    --master_port was taken after it was found free: auto_port (hardware.master_port auto)
+    launches again on a fresh port (up to PORT_RETRIES times), else the exit status is 2 with
+    a message that says what to do."""
     from longft.measure.monitor import HostSampler
 
+    sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv")
+    sampler.start()
+    follow_parent()
+    try:
+        for attempt in range(PORT_RETRIES + 1):
+            code, taken, signalled = _launch(cmd, env, port)
+            master = _port_of(cmd)
+            if not (code and taken) or signalled:
+                break
+            if not auto_port:
+                print(f"longft train: the ranks could not bind master port {master}: another "
+                      "process took it after the train stage found it free (a second run on "
+                      "this machine?). Set hardware.master_port: auto (a free port, retried if "
+                      "taken) or pin a port that is free", file=sys.stderr, flush=True)
+                return 2
+            if attempt == PORT_RETRIES:
+                print(f"longft train: master port taken {PORT_RETRIES + 1} times in a row "
+                      "(something on this machine takes free ports as fast as they are found); "
+                      "pin hardware.master_port to a port reserved for longft",
+                      file=sys.stderr, flush=True)
+                return 2
+            new = free_port(0)
+            print(f"train: master port {master} was taken before the ranks bound it (another "
+                  f"run started in between?); launching again on port {new} "
+                  "(hardware.master_port auto)", flush=True)
+            cmd = _with_port(cmd, new)
+            port = new if port is not None else None
+    finally:
+        write_json(run_dir / "monitor.json", sampler.stop())
+    if signalled and code != 0:
+        return exit_code(signalled)  # 130 / 143 whatever the launcher makes of the ranks' exit
+    return code
+
+
+def _launch(cmd: list[str], env: dict, port: int | None) -> tuple[int, bool, int | None]:
+    """One launch: (exit code, whether the ranks said their port was taken, the signal passed on
+    to them or None)."""
     if port is not None:
         drop_shm_buffers(port)
 
     if cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and shutil.which("ninja") is None:
         print("longft: note: ninja not on PATH; DeepSpeed may fail to JIT-compile its CPU Adam op",
               file=sys.stderr)
-    sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv")
-    sampler.start()
-    follow_parent()
+    tee = _Tee()
     try:
         # A session of its own: a terminal's Ctrl-C reaches the ranks once, through the Relay, and
         # never DeepSpeed's launch.py (which would SIGKILL them 30 s later). See stop.py.
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=tee.child_fd)
+        finally:
+            tee.started()
         guard, pipe = _guard(proc.pid)
         with Relay(proc) as relay:
             code = proc.wait()
@@ -104,12 +232,10 @@ def run(cmd: list[str], env: dict, run_dir: Path, port: int | None = None) -> in
         os.close(pipe)
         guard.wait()
     finally:
-        write_json(run_dir / "monitor.json", sampler.stop())
+        tail = tee.finish()
         if port is not None:
             drop_shm_buffers(port)
-    if relay.signum and code != 0:
-        return exit_code(relay.signum)  # 130 / 143 whatever the launcher makes of the ranks' exit
-    return code
+    return code, bool(code and PORT_TAKEN.search(tail)), relay.signum
 
 
 def _guard(pgid: int) -> tuple[subprocess.Popen, int]:
