@@ -44,7 +44,8 @@ def test_a_local_file_or_dir_must_be_covered_by_its_track_entry(tmp_path, monkey
     assert [p.split(":")[0] for p in problems] == ["track.data", "track.model", "track.tokenizer"]
     assert "set track.data: data/train.jsonl in params.yaml" in problems[0]
     with pytest.raises(ConfigError, match="track.model: model.name is the local path 'mymodel'"):
-        check_tracked(from_dict(raw))
+        check_tracked(from_dict(raw), {"DVC_ROOT": str(tmp_path)})  # inside a DVC stage
+    assert check_tracked(from_dict(raw), {}) == problems  # run by hand: said, not refused
     # the path itself, or a directory above it, covers it (relative or absolute)
     ok = merge(raw, {"track": {"data": "data", "model": str(tmp_path / "mymodel"),
                                "tokenizer": "tok"}})

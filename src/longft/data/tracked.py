@@ -3,7 +3,9 @@ dvc.yaml interpolates those paths into the deps of the stages that read them (`$
 DVC cannot depend on a null param, so the default is the shipped placeholder
 configs/nothing-to-track). A local data.path, model.name or model.tokenizer that its track entry
 does not cover would leave `dvc status` "up to date" after the file changed; the prepare stage
-refuses to run then (stages/prepare.py), naming the line to add.
+refuses to run then (stages/prepare.py), naming the line to add. Run outside DVC (no DVC_ROOT in
+the environment, which `dvc repro` / `dvc exp run` set for every stage: scripts/bench.py, `longft
+max-context --confirm`, a stage by hand), nothing is tracked anyway, and it only says so.
 
 Covered: the entry is the path itself or a directory above it. Not local (nothing to track): a
 hub id or dataset name, configs/models and configs/tokenizers (already deps of every stage that
@@ -12,6 +14,7 @@ reads them).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from longft.config.params import Config, ConfigError
@@ -57,8 +60,10 @@ def untracked(cfg: Config) -> list[str]:
     return problems
 
 
-def check_tracked(cfg: Config) -> None:
-    """Raise a ConfigError listing every local input that is not a DVC dependency."""
+def check_tracked(cfg: Config, env=os.environ) -> list[str]:
+    """Inside a DVC stage (DVC_ROOT set): raise a ConfigError listing every local input that is
+    not a DVC dependency. Outside DVC: return those problems as notes to print."""
     problems = untracked(cfg)
-    if problems:
+    if problems and env.get("DVC_ROOT"):
         raise ConfigError(problems)
+    return problems
