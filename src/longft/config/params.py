@@ -74,6 +74,14 @@ class DataConfig:
     """A malformed record: stop with its file and line, or skip it and count it in stats.json."""
     train_on_prompt: bool = False
     """Also compute the loss on non-assistant tokens."""
+    eval_samples: int = 32
+    """Held-out samples for evaluation (data/prepared/eval; 0 = none), never trained on nor packed
+    with training samples. synthetic: samples num_samples .. num_samples + eval_samples - 1 of the
+    same generator (the training samples stay those of num_samples alone); files and datasets:
+    this many of the samples read (at most a tenth of them), picked by train.seed, the rest
+    train; random: none (random ids have nothing to learn). A count, not a fraction: one eval
+    costs the same whatever the size of the dataset, and the retrieval score's bins need a few
+    dozen samples even from a small one."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,9 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    eval_every: int = 0
+    """Evaluate the held-out split (data.eval_samples) every N optimizer steps; 0 = only after the
+    last step (which is always evaluated)."""
     lr: float = 1.0e-3
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
@@ -318,6 +329,11 @@ def _check(cfg: Config) -> list[str]:
     if h.num_nodes > 1 and not h.hostfile:
         p.append("hardware.hostfile: required when hardware.num_nodes > 1 (lines `host slots=N`)")
     if h.vram_limit_gib is not None and h.vram_limit_gib <= 0:
+    if d.eval_samples < 0:
+        p.append(f"data.eval_samples: must be >= 0 (0 = no held-out split), got {d.eval_samples}")
+    if t.eval_every < 0:
+        p.append(f"train.eval_every: must be >= 0 (0 = evaluate after the last step only), got "
+                 f"{t.eval_every}")
         p.append(f"hardware.vram_limit_gib: must be > 0 or null, got {h.vram_limit_gib}")
     if h.master_port != "auto" and not 1024 <= h.master_port <= 65535:
         p.append(f"hardware.master_port: must be auto or a TCP port in 1024-65535 (below 1024 needs "

@@ -5,6 +5,10 @@ packed into rows of data.max_seq_length and written atomically together with sta
 read, skipped records by reason, samples, rows, truncated samples, tokens, trainable tokens (labels
 that reach the loss), padding, packing efficiency and a histogram of sample lengths.
 `data.source: random` writes random ids without a tokenizer.
+
+The held-out split (`data.eval_samples`, split.py) is packed on its own into data/prepared/eval
+(the same layout, plus samples.json for the retrieval score), inside the same atomic write;
+stats.json describes the training rows, and its "eval" entry the held-out ones.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from longft.data.errors import BadRecords, DataError
 from longft.data.packing import fit_sample, iter_rows, plan_rows, trainable_tokens
 from longft.data.random_tokens import random_rows
 from longft.data.records import RecordReader
-from longft.data.store import DatasetWriter
+from longft.data.split import sample_info, scoring_fields, split_samples
+from longft.data.store import EVAL_DIR, SAMPLES, DatasetWriter
 from longft.data.synthetic import synthetic_records
 from longft.data.tokenize import IGNORE_INDEX, Sample, chat_token_count, tokenize_record
 from longft.model.loading import check_context_length, check_vocab, load_model_config, load_tokenizer
@@ -44,18 +49,15 @@ class _RowTally:
         self.trainable += int(np.count_nonzero(labels[1:] != IGNORE_INDEX))  # labels[0] is shifted out
 
 
-def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict) -> list[Sample]:
-    dc = cfg.data
-    if dc.source == "synthetic":
-        records = synthetic_records(dc.num_samples, dc.max_seq_length, cfg.train.seed,
-                                    lambda msgs: chat_token_count(msgs, tok), dc.synthetic_lengths)
-        reader = None
-    else:
-        records = reader = RecordReader(dc, bad)
+def _tokenize(records, tok, dc, bad: BadRecords, total: int | None, desc: str = "tokenize",
+              score: list | None = None) -> tuple[list[Sample], list[int], int, int, int]:
+    """(usable samples, every sample's length before fitting, truncated, untrainable, text
+    records split); with `score` a list, the retrieval fields of each usable sample are appended
+    to it."""
     samples, lengths, truncated, untrainable, split = [], [], 0, 0, 0
     # a text record that will be cut is tokenized only as far as the cut (tokenize.text_ids)
     bound = dc.max_seq_length if dc.truncate and not dc.split_text else None
-    for rec in tqdm(records, total=dc.num_samples, desc="tokenize", unit="rec", disable=None):
+    for rec in tqdm(records, total=total, desc=desc, unit="rec", disable=None):
         try:
             s = tokenize_record(rec, tok, dc.train_on_prompt, max_tokens=bound)
         except DataError as e:
@@ -72,6 +74,24 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict) -> list[S
                 untrainable += 1
                 continue
             samples.append(fitted)
+            if score is not None:
+                score.append(scoring_fields(rec, fitted, tok))
+    return samples, lengths, truncated, untrainable, split
+
+
+def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict
+                       ) -> tuple[list[Sample], list[Sample], list]:
+    """(training samples, held-out samples, the held-out samples' retrieval fields)."""
+    dc = cfg.data
+    count = lambda msgs: chat_token_count(msgs, tok)  # noqa: E731
+    if dc.source == "synthetic":
+        records = synthetic_records(dc.num_samples, dc.max_seq_length, cfg.train.seed, count,
+                                    dc.synthetic_lengths)
+        reader = None
+    else:
+        records = reader = RecordReader(dc, bad)
+    samples, lengths, truncated, untrainable, split = _tokenize(records, tok, dc, bad,
+                                                                dc.num_samples)
     stats.update(
         format=reader.format if reader else "messages",
         records=reader.records_read if reader else dc.num_samples,
@@ -85,7 +105,40 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict) -> list[S
         raise DataError(f"no trainable samples: {stats['records']} records read, skipped "
                         f"{stats['skipped'] or 'none'}, {untrainable} without a trained token after "
                         f"truncation; check data.path / data.format, or raise data.max_seq_length")
-    return samples
+    score: list = []
+    if dc.source == "synthetic":
+        held_records = synthetic_records(dc.eval_samples, dc.max_seq_length, cfg.train.seed, count,
+                                         dc.synthetic_lengths, start=dc.num_samples)
+        held, *_ = _tokenize(held_records, tok, dc, BadRecords("error"), dc.eval_samples,
+                             "held-out", score)
+    else:
+        samples, held, note = split_samples(samples, dc.eval_samples, cfg.train.seed)
+        score = [None] * len(held)
+        stats["samples"] = len(samples)
+        if note:
+            stats["eval_note"] = note
+            print(f"prepare: note: {note}", flush=True)
+    return samples, held, score
+
+
+def _write_eval(writer: DatasetWriter, held: list[Sample], score: list, cfg: Config, tok) -> dict:
+    """The held-out rows into <out>/eval (inside the training dataset's atomic write); its stats."""
+    length = cfg.data.max_seq_length
+    plan = plan_rows([len(s) for s in held], length, cfg.data.pack)
+    info = sample_info(held, plan, score)
+    tally = _RowTally()
+    assert writer.tmp is not None
+    with DatasetWriter(writer.tmp / EVAL_DIR, len(plan), length) as w:
+        for i, (ids, labels, pos) in enumerate(iter_rows(held, plan, length, tok.pad_token_id)):
+            w.write(i, ids, labels, pos)
+            tally.add(ids, labels, length - sum(len(held[j]) for j in plan[i]))
+        meta = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
+                "source": cfg.data.source, "format": "held-out"}
+        w.commit(meta, {SAMPLES: {"samples": info}})
+    return {"samples": len(held), "rows": len(plan), "tokens": tally.tokens,
+            "trainable_tokens": tally.trainable,
+            "scored_samples": sum(1 for e in info if e.get("cite")),
+            "sample_length_histogram": length_histogram([len(s) for s in held])}
 
 
 def _drops(stats: dict, reader: RecordReader | None, untrainable: int, split: int) -> None:
@@ -158,10 +211,11 @@ def prepare(cfg: Config, out_dir: str | Path) -> dict:
                      sample_length_histogram=length_histogram([length] * n))
         rows = random_rows(n, length, model_config.vocab_size, cfg.train.seed)
         pad_counts = [0] * n
+        held = []  # random ids have nothing to learn: no held-out split
     else:
         tok = load_tokenizer(cfg.model)
         check_vocab(tok, model_config)
-        samples = _tokenized_samples(cfg, tok, BadRecords(dc.on_bad_record), stats)
+        samples, held, score = _tokenized_samples(cfg, tok, BadRecords(dc.on_bad_record), stats)
         plan = plan_rows([len(s) for s in samples], length, dc.pack)
         meta = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "source": dc.source,
                 "format": stats["format"]}
@@ -177,6 +231,10 @@ def prepare(cfg: Config, out_dir: str | Path) -> dict:
                      padding_tokens=tally.padding,
                      packing_efficiency=round(tally.tokens / (n * length), 4),
                      documents_per_row=documents_per_row(docs_per_row))
+        stats["eval"] = _write_eval(writer, held, score, cfg, tok) if held else \
+            {"samples": 0, "rows": 0, "tokens": 0, "trainable_tokens": 0, "scored_samples": 0,
+             "sample_length_histogram": {}}
+        stats["eval"]["note"] = stats.pop("eval_note", None)
         stats["notes"] = drop_notes(stats, dc)
         for note in stats["notes"]:
             print(f"prepare: note: {note}", flush=True)

@@ -4,6 +4,9 @@ A directory (default data/prepared) with:
   input_ids.npy, labels.npy, position_ids.npy   int32 [num_rows, max_seq_length]
   meta.json   {num_rows, max_seq_length, vocab_size, pad_token_id, source, format}
   (plus any extra json files, e.g. stats.json)
+  eval/       the held-out split (data.eval_samples, split.py) in the same layout, plus
+              samples.json (per held-out sample: row, offset, length and the retrieval fields);
+              absent when there is none. `held_out` reads it.
 vocab_size is an upper bound of the ids (len(tokenizer), or the model's vocab_size for random ids);
 labels are -100 where no loss is taken. The writer fills a temporary directory next to the target
 and renames it into place only when complete, so a failed run never leaves half a dataset and an
@@ -29,6 +32,8 @@ from longft.data.errors import DataError
 
 ARRAYS = ("input_ids", "labels", "position_ids")
 META = "meta.json"
+EVAL_DIR = "eval"
+SAMPLES = "samples.json"
 _FIX = "run `dvc repro prepare` (or `python stages/prepare.py --out {path}`)"
 
 
@@ -149,3 +154,18 @@ class PreparedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {a: torch.from_numpy(np.asarray(arr[i], dtype=np.int64)) for a, arr in self.arrays.items()}
+
+
+def held_out(path: str | Path = "data/prepared") -> tuple[PreparedDataset, list[dict]] | None:
+    """(the held-out rows, their samples.json entries) of a prepared dataset; None without a
+    held-out split (data.eval_samples 0, source random, or prepared before the split existed)."""
+    where = Path(path) / EVAL_DIR
+    if not where.is_dir():
+        return None
+    data = PreparedDataset(where)
+    try:
+        samples = json.loads((where / SAMPLES).read_text())["samples"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{where}: unreadable {SAMPLES} ({type(e).__name__}: {e}); "
+                        f"{_FIX.format(path=path)}") from None
+    return data, samples

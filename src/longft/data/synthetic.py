@@ -16,6 +16,12 @@ from MIN_MIXED_TOKENS (1,024, or max_seq_length / 2 when that is shorter) up to 
 there are as many samples between 1K and 2K tokens as between 8K and 16K, the shape of long chat
 records such as LongCite-45K's (a thousand to tens of thousands of tokens each). Packed, a row then
 holds several documents (1.8 on average at 4K, 2.9 at 16K, 4.8 at 128K, before packing losses).
+
+Each record is a `SyntheticRecord`: a chat `Record` that also says which document the answer cites,
+how many documents there are, and where in the answer text the cited number and the asked value
+stand, so the held-out split can score retrieval (data/split.py turns these character spans into
+token spans). Held-out samples are the indices after the training ones (`start`), so adding them
+changes no training sample.
 """
 
 from __future__ import annotations
@@ -54,6 +60,24 @@ _ATTRIBUTES: tuple[tuple[str, Callable[[random.Random], str]], ...] = (
 
 
 @dataclass(frozen=True)
+class SyntheticRecord(Record):
+    """A synthetic chat record with what scoring its answer needs (the chat itself is unchanged)."""
+
+    cited_doc: int = 0
+    """The 1-based id of the document the answer cites (the one stating the fact)."""
+    num_docs: int = 0
+    cite_chars: tuple[int, int] = (0, 0)
+    """[start, end) of the cited document's number N in the answer's text ("... [doc N].")."""
+    value_chars: tuple[int, int] = (0, 0)
+    """[start, end) of the asked value in the answer's text."""
+
+    @property
+    def relative_position(self) -> float:
+        """Where the cited document stands among the documents: 0 = first, 1 = last."""
+        return (self.cited_doc - 1) / (self.num_docs - 1) if self.num_docs > 1 else 0.0
+
+
+@dataclass(frozen=True)
 class Fact:
     entity: str
     attribute: str
@@ -78,13 +102,23 @@ def _document(rng: random.Random, used: set[str]) -> tuple[Fact, str]:
     return fact, text
 
 
+def answer_spans(fact: Fact, target: int) -> tuple[str, tuple[int, int], tuple[int, int]]:
+    """The answer text, the span of its cited number and the span of its value."""
+    head = f"The {fact.attribute} of {fact.entity} is "
+    cite = f"{target + 1}"
+    answer = f"{head}{fact.value} [doc {cite}]."
+    v0 = len(head)
+    c0 = v0 + len(fact.value) + len(" [doc ")
+    return answer, (c0, c0 + len(cite)), (v0, v0 + len(fact.value))
+
+
 def build_messages(docs: list[str], target: int, fact: Fact) -> list[dict]:
     """The chat for documents `docs` where docs[target] states `fact` (ids count from 1)."""
     body = "\n".join(f"[doc {i + 1}] {d}" for i, d in enumerate(docs))
     question = f"What is the {fact.attribute} of {fact.entity}?"
     user = (f"Read the {len(docs)} documents below, then answer the question. Cite the document "
             f"you used as [doc N].\n\n{body}\n\nQuestion: {question}")
-    answer = f"The {fact.attribute} of {fact.entity} is {fact.value} [doc {target + 1}]."
+    answer = answer_spans(fact, target)[0]
     return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
 
 
@@ -101,9 +135,11 @@ def synthetic_sample(index: int, seed: int, max_len: int,
         while len(distractors) < k:
             distractors.append(_document(rng, used)[1])
         docs = distractors[:k]
-        pos = round(where_frac * k)
-        docs.insert(pos, target_text)
-        return build_messages(docs, pos, fact)
+        docs.insert(target_index(k), target_text)
+        return build_messages(docs, target_index(k), fact)
+
+    def target_index(k: int) -> int:
+        return round(where_frac * k)
 
     n0 = count_tokens(messages(0))
     if n0 > max_len:
@@ -129,7 +165,10 @@ def synthetic_sample(index: int, seed: int, max_len: int,
         else:
             k -= max(1, math.ceil((n - max_len) / per_doc))
         k = max(k, lo + 1) if hi is None else min(max(k, lo + 1), hi - 1)
-    return Record(f"synthetic sample {index}", "messages", messages=tuple(messages(lo)))
+    _, cite, value = answer_spans(fact, target_index(lo))
+    return SyntheticRecord(f"synthetic sample {index}", "messages", messages=tuple(messages(lo)),
+                           cited_doc=target_index(lo) + 1, num_docs=lo + 1, cite_chars=cite,
+                           value_chars=value)
 
 
 MIN_MIXED_TOKENS = 1024
@@ -146,11 +185,12 @@ def sample_length(index: int, seed: int, max_len: int) -> int:
 
 def synthetic_records(num_samples: int, max_len: int, seed: int,
                       count_tokens: Callable[[list[dict]], int],
-                      lengths: str = "full") -> Iterator[Record]:
+                      lengths: str = "full", start: int = 0) -> Iterator[SyntheticRecord]:
     """num_samples chat records of the retrieval-with-citation task (see the module docstring),
-    each filled to max_len (`full`) or to its own `sample_length` (`mixed`)."""
+    samples start .. start + num_samples - 1, each filled to max_len (`full`) or to its own
+    `sample_length` (`mixed`)."""
     if lengths not in LENGTHS:
         raise ValueError(f"synthetic lengths must be one of {LENGTHS}, got {lengths!r}")
-    for i in range(num_samples):
+    for i in range(start, start + num_samples):
         n = max_len if lengths == "full" else sample_length(i, seed, max_len)
         yield synthetic_sample(i, seed, n, count_tokens)
