@@ -3,6 +3,7 @@ uninterrupted run's (model, optimizer, LR schedule, RNG and data position all re
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from longft.config.params import Config, merge, to_dict
-from longft.run.pipeline import run_all, run_stage, stage_commands
+from longft.run.pipeline import StageFailed, run_all, run_stage, stage_commands
 
 pytestmark = pytest.mark.slow
 
@@ -68,13 +69,18 @@ def test_kill_and_resume_gives_the_uninterrupted_loss_curve(tmp_path):
     assert kept == ["step-2", "step-4"]
 
 
-def test_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_corrupted_checkpoint_is_refused_and_the_previous_one_resumes_once_it_is_deleted(tmp_path):
     work = tmp_path / "w"
     cmd = setup(work)
     run_stage("train", cmd)
     newest = work / "checkpoints" / "step-4"
     for f in newest.rglob("*.pt"):
         f.write_bytes(b"not a checkpoint")
+    # the files no longer have the digests COMPLETE recorded: refused, never unpickled
+    with pytest.raises(StageFailed) as e:
+        run_stage("train", cmd)
+    assert e.value.code == 2 and "does not have the sha256 longft recorded" in e.value.output
+    assert f"delete {newest}" in e.value.output
+    shutil.rmtree(newest)  # what the message says
     out = run_stage("train", cmd)
-    assert "step-4 could not be loaded" in out
     assert "resumed from" in out and "step-2" in out

@@ -5,7 +5,14 @@ Layout of checkpoints/:  step-<N>/ (DeepSpeed's files + COMPLETE)  and  final/.
   to `step-<N>` (a rename is atomic): a kill or a full disk mid-write leaves only a `.tmp-` folder,
   which is never resumed from and is removed by the next save.
 - COMPLETE holds the run's fingerprint (a hash of every param that changes the training), so a
-  checkpoint of another configuration is never resumed.
+  checkpoint of another configuration is never resumed, and the sha256 of every file of the
+  checkpoint (hashed when it is completed, each rank a share).
+- Resuming loads only what longft wrote: every file's sha256 must match COMPLETE and no file may
+  have been added, else the run stops (CheckpointError naming the file: delete the checkpoint or
+  set output.resume: false); and DeepSpeed's files are unpickled with torch.load(weights_only=True)
+  (tensors, containers and an allow-list of DeepSpeed's own state classes, `safe_globals()`), never
+  with full pickle (DeepSpeed 0.19.8 itself passes weights_only=False), so a forged checkpoint
+  whose COMPLETE was rewritten to match still runs no code.
 - Only the newest `output.keep_last` step checkpoints are kept.
 - Resume takes the newest complete checkpoint that loads; one that fails to load (corrupted) is
   reported and the one before it is used.
@@ -23,6 +30,7 @@ import hashlib
 import json
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from longft.config.params import Config, to_dict
@@ -121,6 +129,111 @@ def complete_steps(ckpt_dir: Path, fp: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def _files(d: Path) -> list[str]:
+    """The files of checkpoint folder d (relative, sorted), COMPLETE left out."""
+    return sorted(str(f.relative_to(d)) for f in d.rglob("*") if f.is_file() and f.name != MARKER)
+
+
+def _sha256(f: Path) -> str:
+    with open(f, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _shared_digests(d: Path, names: list[str]) -> dict[str, str]:
+    """sha256 of every file in `names`, each rank hashing its share (all ranks get all)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {n: _sha256(d / n) for n in names}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {n: _sha256(d / n) for i, n in enumerate(names) if i % world == rank}
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def verify(d: Path) -> None:
+    """Refuse (CheckpointError) a checkpoint folder whose files are not the ones longft completed:
+    a digest that differs, a file that is missing or added, or a COMPLETE without digests."""
+    fix = (f"delete {d} (or the whole checkpoints folder) to start afresh from the previous "
+           "checkpoint, or set output.resume: false")
+    try:
+        digests = json.loads((d / MARKER).read_text()).get("sha256")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {d}: unreadable {MARKER} ({e}); {fix}") from None
+    if not isinstance(digests, dict) or not digests:
+        raise CheckpointError(f"checkpoint {d} has no file digests in {MARKER} (written by an older "
+                              f"longft, or not by longft): it cannot be verified; {fix}")
+    names = _files(d)
+    added = sorted(set(names) - set(digests))
+    missing = sorted(set(digests) - set(names))
+    if added or missing:
+        what = (f"{d / added[0]} is not one of the files longft wrote" if added
+                else f"{d / missing[0]} is missing")
+        raise CheckpointError(f"checkpoint {d} was changed after it was completed: {what}; {fix}")
+    got = _shared_digests(d, names)
+    bad = [n for n in names if got[n] != digests[n]]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {d} was changed after it was completed: {d / bad[0]} does not have the "
+            f"sha256 longft recorded{f' (and {len(bad) - 1} more file(s))' if len(bad) > 1 else ''}"
+            f"; it is not loaded (a file written by someone else could run code when unpickled); "
+            f"{fix}")
+
+
+def safe_globals() -> list:
+    """What DeepSpeed's checkpoint files hold besides tensors and containers, allowed to
+    torch.load(weights_only=True): its loss scalers, the ZeRO stage enum, ZeRO-2's fragment
+    addresses, and numpy arrays (the RNG state longft stores)."""
+    import numpy as np
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    dtypes = {type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.bool_)}
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, _reconstruct,
+            np.ndarray, np.dtype, *sorted(dtypes, key=str)]
+
+
+@contextmanager
+def weights_only(engine):
+    """Within: the engine's checkpoint loads unpickle with weights_only=True (`safe_globals()`)."""
+    import pickle
+
+    import torch
+
+    ce = engine.checkpoint_engine
+    allowed = safe_globals()
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(allowed):
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True)
+            except pickle.UnpicklingError as e:
+                why = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), None)
+                if why is None:
+                    raise  # not a refused object: a damaged file (resume tries the one before)
+                raise CheckpointError(
+                    f"checkpoint file {path} holds a Python object longft does not load (only "
+                    f"tensors and DeepSpeed's own state are unpickled; {why}); it was not "
+                    "unpickled. Delete the checkpoint or set output.resume: false") from None
+
+    had = "load" in vars(ce)
+    old = vars(ce).get("load")
+    ce.load = load
+    try:
+        yield
+    finally:
+        if had:
+            ce.load = old
+        else:
+            del ce.load
+
+
 def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_state: dict) -> None:
     """Write step-<step> atomically on all ranks; prune old ones (rank 0)."""
     import torch.distributed as dist
@@ -142,9 +255,14 @@ def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_stat
             raise _failed(e, ckpt_dir, tmp, step, fp, keep_last) from e
         raise
     dist.barrier()
+    names = _files(tmp) if rank == 0 else None
+    box = [names]
+    dist.broadcast_object_list(box, src=0)  # every rank hashes a share of the same list
+    digests = _shared_digests(tmp, box[0])
     if rank == 0:
         try:
-            (tmp / MARKER).write_text(json.dumps({"fingerprint": fp, "step": step}))
+            (tmp / MARKER).write_text(json.dumps({"fingerprint": fp, "step": step,
+                                                  "sha256": digests}, indent=1))
         except OSError as e:
             raise _failed(e, ckpt_dir, tmp, step, fp, keep_last) from e
         final = ckpt_dir / f"step-{step}"
@@ -156,10 +274,16 @@ def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_stat
 
 
 def resume(engine, ckpt_dir: Path, fp: str, log) -> tuple[int, dict]:
-    """Load the newest loadable checkpoint of this configuration; (step, client_state) or (0, {})."""
+    """Load the newest loadable checkpoint of this configuration; (step, client_state) or (0, {}).
+    A checkpoint whose files are not the ones longft completed is refused (`verify`), not
+    skipped; every file is unpickled weights_only."""
     for step in complete_steps(ckpt_dir, fp):
+        verify(ckpt_dir / f"step-{step}")
         try:
-            path, client = engine.load_checkpoint(str(ckpt_dir), tag=f"step-{step}")
+            with weights_only(engine):
+                path, client = engine.load_checkpoint(str(ckpt_dir), tag=f"step-{step}")
+        except CheckpointError:
+            raise
         except Exception as e:  # a corrupted checkpoint: say so and fall back to the one before
             log(f"checkpoint step-{step} could not be loaded ({type(e).__name__}: {e}); "
                 f"trying the previous one")
