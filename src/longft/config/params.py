@@ -165,13 +165,13 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 1234
     log_every: int = 1
+    eval_every: int = 0
+    """Evaluate the held-out split (data.eval_samples) every N optimizer steps; 0 = only after the
+    last step (which is always evaluated)."""
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    eval_every: int = 0
-    """Evaluate the held-out split (data.eval_samples) every N optimizer steps; 0 = only after the
-    last step (which is always evaluated)."""
     lr: float = 1.0e-3
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
@@ -305,6 +305,11 @@ def _check(cfg: Config) -> list[str]:
     elif d.num_samples <= 0:
         p.append(f"data.num_samples: must be > 0, got {d.num_samples}"
                  + ("" if d.source in ("synthetic", "random") else "; null reads every record"))
+    if d.eval_samples < 0:
+        p.append(f"data.eval_samples: must be >= 0 (0 = no held-out split), got {d.eval_samples}")
+    if t.eval_every < 0:
+        p.append(f"train.eval_every: must be >= 0 (0 = evaluate after the last step only), got "
+                 f"{t.eval_every}")
     if d.source in ("jsonl", "parquet", "hf") and not d.path:
         p.append(f"data.path: required for source {d.source!r} (a file or dataset name)")
     for k in ("micro_batch_size", "global_batch_size", "log_every"):
@@ -329,11 +334,6 @@ def _check(cfg: Config) -> list[str]:
     if h.num_nodes > 1 and not h.hostfile:
         p.append("hardware.hostfile: required when hardware.num_nodes > 1 (lines `host slots=N`)")
     if h.vram_limit_gib is not None and h.vram_limit_gib <= 0:
-    if d.eval_samples < 0:
-        p.append(f"data.eval_samples: must be >= 0 (0 = no held-out split), got {d.eval_samples}")
-    if t.eval_every < 0:
-        p.append(f"train.eval_every: must be >= 0 (0 = evaluate after the last step only), got "
-                 f"{t.eval_every}")
         p.append(f"hardware.vram_limit_gib: must be > 0 or null, got {h.vram_limit_gib}")
     if h.master_port != "auto" and not 1024 <= h.master_port <= 65535:
         p.append(f"hardware.master_port: must be auto or a TCP port in 1024-65535 (below 1024 needs "
