@@ -32,6 +32,7 @@ from longft.engine.batches import (
     real_tokens,
     steps_for_epochs,
 )
+from longft.engine.evaluate import Evaluator
 from longft.engine.export import export
 from longft.errors import UserError
 from longft.measure import live
@@ -225,6 +226,7 @@ class Session:
     cuda: bool
     rows: int = 0  # prepared training rows, for the passes over them (epoch)
     live: Any = None  # measure/live.LiveMetrics: rank 0's dvclive (and TensorBoard) curves
+    evaluator: Evaluator | None = None  # the held-out split (engine/evaluate.py), None without one
 
 
 def with_steps(cfg: Config, rows: int) -> Config:
@@ -325,6 +327,9 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
     rank, world, cuda = _init_distributed(cfg, plan)
     loader, sampler, pad_id = _loader(cfg, data_dir, rank, world, cuda)
     model, keep, offloader = _build(cfg, plan, ds)
+    evaluator = Evaluator.open(data_dir, model, rank, world, cfg.train.micro_batch_size,
+                               cfg.train.eval_every,
+                               plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                       lr_scheduler=ds_config.lr_scheduler(cfg))
@@ -339,7 +344,8 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
         # (After resume, whose loading buffers would stay cached too.)
         getattr(torch._C, "_host_emptyCache", lambda: None)()
     return Session(engine=engine, model=model, keep=keep, offloader=offloader, batches=batches,
-                   pad_id=pad_id, fingerprint=fp, start=start, rank=rank, world=world, cuda=cuda)
+                   pad_id=pad_id, fingerprint=fp, start=start, rank=rank, world=world, cuda=cuda,
+                   evaluator=evaluator)
 
 
 def _clock(cuda: bool):
@@ -419,10 +425,14 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
                 progress.end_step()
                 last_s = rec["time_s"]
                 _log_step(s, cfg, plan, step, rec, log, bar)
+                if s.evaluator is not None:
+                    s.evaluator.periodic(s.engine, step, log)
                 saved = _periodic_checkpoint(s, cfg, ckpt_dir, step)
                 if stopper is not None and (sig := stopper.agreed(s.engine.device)):
                     bar.close()
                     _stop(s.engine, cfg, ckpt_dir, step, s.fingerprint, saved, sig, log, s.rank)
+            if s.evaluator is not None:
+                s.evaluator.final(s.engine, step, log)
         if ckpt_dir is not None and cfg.output.save_checkpoint:
             s.engine.save_checkpoint(str(ckpt_dir), tag="final")
         if export_dir is not None:

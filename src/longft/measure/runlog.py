@@ -1,6 +1,7 @@
 """Raw per-rank measurements: runs/train/rank{r}.jsonl, one JSON object per line, flushed each step.
 
-Line types: "env" (rank 0, once), "iter" (one per optimizer step), "end" (status). The metrics stage
+Line types: "env" (rank 0, once), "iter" (one per optimizer step), "eval" (held-out loss and
+retrieval score after a step, engine/evaluate.py), "end" (status). The metrics stage
 reads them; a run that dies leaves no "end" line and is reported as incomplete.
 """
 
@@ -30,7 +31,7 @@ class RunLog:
                     rec = json.loads(line)
                 except ValueError:
                     continue  # the line a kill cut in half
-                if rec.get("type") == "env" or (rec.get("type") == "iter"
+                if rec.get("type") == "env" or (rec.get("type") in ("iter", "eval")
                                                 and rec.get("step", 0) <= resume_step):
                     kept.append(line)
         if resume_step > 0:  # cut back atomically: a kill now must not lose the steps kept

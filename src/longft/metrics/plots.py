@@ -162,6 +162,21 @@ def _fmt(x, unit: str = "", nd: int = 2) -> str:
     return "n/a" if x is None else f"{x:,.{nd}f}{unit}"
 
 
+def _eval_row(train: dict) -> str:
+    """The report's eval line: loss, perplexity, best step and the retrieval score."""
+    ev, r = train.get("eval") or {}, train.get("retrieval") or {}
+    if train.get("eval_loss") is None:
+        return "n/a (no held-out split: data.eval_samples 0 or data.source random)"
+    text = (f"loss {_fmt(train['eval_loss'], '', 4)}, ppl {_fmt(train.get('eval_ppl'), '', 2)} at "
+            f"step {ev.get('step')} (best {_fmt(ev.get('best_loss'), '', 4)} at step "
+            f"{ev.get('best_step')}; {ev.get('evals')} evals)")
+    if train.get("retrieval_accuracy") is not None:
+        text += (f"; retrieval (teacher-forced citation) {100 * train['retrieval_accuracy']:.1f} % "
+                 f"of {r.get('scored_samples')} (chance {100 * (r.get('chance') or 0):.1f} %; "
+                 f"metrics/retrieval.png)")
+    return text
+
+
 def render_report(train: dict, env: dict) -> str:
     """A short markdown summary of one run."""
     lat, vram, dram, loss = (train["iter_latency_s"], train["peak_vram"], train["peak_dram"],
@@ -208,6 +223,7 @@ def render_report(train: dict, env: dict) -> str:
         ("loss", f"{_fmt(loss['first'], '', 4)} -> {_fmt(loss['last'], '', 4)}"
                  f" (min {_fmt(loss['min'], '', 4)})"),
         ("tokens seen", f"{train['tokens_seen']:,}"),
+        ("held-out eval", _eval_row(train)),
     ]
     lines = ["# longft run", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]

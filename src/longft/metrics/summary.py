@@ -2,7 +2,9 @@
 
 Inputs, written by the train stage:
   rank{r}.jsonl  one JSON object a line: {"type": "iter", ...} per optimizer step, one "end",
-                 on rank 0 one "env". A line that does not parse (killed mid-write) is skipped.
+                 on rank 0 one "env", an "eval" per held-out evaluation (metrics/eval.py turns
+                 them into eval_loss, eval_ppl, retrieval_accuracy, eval.csv and retrieval.png).
+                 A line that does not parse (killed mid-write) is skipped.
   memory.csv     the HostSampler timeline of the launcher's process tree.
   monitor.json   HostSampler.summary().
 
@@ -41,6 +43,7 @@ from longft.config.plan import Plan, PlanFileError
 from longft.estimate.estimator import compare
 from longft.estimate.flops import flops_per_token, mfu, peak_flops
 from longft.measure.monitor import util_over_windows
+from longft.metrics.eval import eval_metrics, eval_outputs, eval_records
 from longft.metrics.plots import gib_timeline, memory_png, read_timeline, render_report, timeline_peaks
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ LOSS_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "iter_latency_s", "grad_no
 class RankLog:
     rank: int
     iters: dict[int, dict] = field(default_factory=dict)
+    evals: dict[int, dict] = field(default_factory=dict)
     env: Optional[dict] = None
     end: Optional[dict] = None
 
@@ -75,6 +79,8 @@ def _read_rank(path: Path, rank: int) -> RankLog:
         kind = rec.get("type") if isinstance(rec, dict) else None
         if kind == "iter" and isinstance(rec.get("step"), int):
             out.iters[rec["step"]] = rec  # a step logged twice (resume): the last one counts
+        elif kind == "eval" and isinstance(rec.get("step"), int):
+            out.evals[rec["step"]] = rec  # evaluated twice (resume): the last one counts
         elif kind == "env":
             out.env = rec
         elif kind == "end":
@@ -322,6 +328,7 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
         env["gpus"] = mon.get("gpus", [])
         env["host_memory_total_gib"] = _gib(_num(mon.get("sys_total_bytes")))
         env["host_cpu_count"] = mon.get("cpu_count")
+    train.update(eval_metrics(eval_records(ranks)))  # held-out quality next to the cost
     est = plan.memory_estimate.estimate if plan is not None else None
     if est is not None:
         train["memory_prediction"] = compare(est, train)  # predicted vs measured, relative error
@@ -393,4 +400,7 @@ def write_run_metrics(run_dir: Path, plan: Plan | None, out: Path) -> dict:
     """Summarize the ranks' logs in run_dir and write the metrics outputs to out; returns train."""
     train, env, rows = summarize(run_dir, plan)
     write_outputs(out, train, env, rows, run_dir)
+    # eval.csv and retrieval.png: written also for a run without evals (declared DVC outputs)
+    for name, data in eval_outputs(eval_records(read_ranks(Path(run_dir))), train, env).items():
+        write_bytes(Path(out) / name, data)
     return train
