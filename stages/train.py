@@ -100,6 +100,11 @@ def main() -> int:
     env = environment(device, expandable_segments=cfg.hardware.expandable_segments)
     code = run(cmd, env, run_dir, port if device == "cpu" else None,
                auto_port=cfg.hardware.master_port == "auto")  # taken meanwhile: a fresh one
+    if code == 0 and not cfg.output.export:
+        # export/ persists across runs (dvc.yaml) so a refused or failed run keeps the last model;
+        # a finished run without an export must not leave an older run's model there as its own
+        shutil.rmtree(a.export, ignore_errors=True)
+        Path(a.export).mkdir(parents=True, exist_ok=True)
     if code and a.metrics:
         partial_metrics(run_dir, Path(a.plan), Path(a.metrics))
     return code

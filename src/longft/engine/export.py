@@ -1,6 +1,6 @@
 """Hand over the finetuned model as a Hugging Face checkpoint (`output.export: true`).
 
-At the end of training, rank 0 writes export/: safetensors weights that
+At the end of a successful run, rank 0 writes export/: safetensors weights that
 `AutoModelForCausalLM.from_pretrained` loads, the config and the tokenizer. Under ZeRO-3 the
 weights are gathered layer by layer into host memory on rank 0 (DeepSpeed's consolidated 16-bit
 state dict), so no GPU ever holds the whole model. With LoRA, `output.export_lora` decides:
@@ -9,6 +9,8 @@ state dict), so no GPU ever holds the whole model. With LoRA, `output.export_lor
   (peft's merge_and_unload, done on the consolidated state dict on rank 0, in fp32, then cast back
   to the weights' dtype), which `AutoModelForCausalLM.from_pretrained` loads without peft; the
   adapter it was merged from goes to export/adapter/.
+export/ is written as export.tmp beside it and swapped in only when whole; it is a persistent DVC
+output, so a run that is refused (a typo in params.yaml) or fails keeps the previous model.
 """
 
 from __future__ import annotations
@@ -106,5 +108,11 @@ def export(engine, cfg: Config, out_dir: Path, step: int) -> None:
     (tmp / "longft_export.json").write_text(json.dumps(
         {"model": cfg.model.name, "source": cfg.model.source, "steps": step,
          "lora_rank": cfg.lora.rank, "kind": kind}, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
+    # The old export is set aside, not deleted, until the new one is in place: a kill at any
+    # point leaves a whole model at out_dir or beside it (export/ persists across runs, dvc.yaml)
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(old)
     tmp.rename(out_dir)  # a reader never sees a half-written export
+    shutil.rmtree(old, ignore_errors=True)
