@@ -63,3 +63,20 @@ def test_tensorboard_events_and_a_clear_error_without_the_package(tmp_path, monk
     with pytest.raises(live.LiveError, match="pip install tensorboard.*output.tensorboard: false"):
         live.check_available(True)
     live.check_available(False)
+
+
+def test_without_dvclive_training_goes_on_and_says_so(tmp_path, monkeypatch, capsys):
+    """A bare GPU image (no DVC installed: the H200 machine) trains on without the live curves."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_dvclive(name, *a, **k):
+        if name == "dvclive" or name.startswith("dvclive."):
+            raise ImportError("No module named 'dvclive'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_dvclive)
+    run_steps(tmp_path, range(1, 3))
+    assert "dvclive is not installed" in capsys.readouterr().out
+    assert not (tmp_path / live.LIVE_DIR).exists()

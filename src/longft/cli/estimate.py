@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import sys
 from pathlib import Path
 
@@ -137,6 +138,12 @@ def cmd_plan(argv: list[str]) -> int:
     ap.add_argument("--max-micro", type=int, default=64)
     ap.add_argument("--gpu-name", help="GPU model for the peak-FLOPS lookup of the speed ranking "
                     "(default: the detected one)")
+    ap.add_argument("--optimizer-states", choices=("fp32", "bf16", "any"),
+                    help="optimizer-state precisions to search (default: the params' "
+                    "zero.optimizer_states; bf16 halves their bytes but changes numerics, so it is "
+                    "searched only when asked)")
+    ap.add_argument("--nvme-path", help="also search ZeRO-Infinity: optimizer states in files "
+                    "under this directory (its free space is the disk budget)")
     a = ap.parse_args(argv)
     import yaml
 
@@ -156,8 +163,23 @@ def cmd_plan(argv: list[str]) -> int:
     resolved, notes = _resolve(cfg, hw, arch["model_type"])
     base = setup_from_config(cfg, resolved)
     gpu_name = a.gpu_name or (hw.gpu_name if hw.device == "cuda" else None)
+    wanted = a.optimizer_states or cfg.zero.optimizer_states
+    states = ("fp32", "bf16") if wanted == "any" else (wanted,)
+    if "bf16" in states and base.precision != "bf16":
+        print(f"longft plan: bf16 optimizer states need precision bf16 (resolved {base.precision}); "
+              "searching fp32 states only", file=sys.stderr)
+        states = ("fp32",)
+    disk = None
+    if a.nvme_path:
+        from longft.hardware import nvme
+
+        bad = nvme.path_problems(a.nvme_path, 0)
+        if bad:
+            print("longft plan: " + "; ".join(bad), file=sys.stderr)
+            return 2
+        disk = shutil.disk_usage(a.nvme_path).free / GIB
     cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro, MODES,
-                   share_grads=cfg.zero.host_grad_buffer != "full")
+                   share_grads=cfg.zero.host_grad_buffer != "full", states=states, disk_gib=disk)
     print(f"longft plan: {a.model}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
           f"host {a.host_mem:g} GiB")
     for n in notes:
@@ -166,10 +188,11 @@ def cmd_plan(argv: list[str]) -> int:
     print(f"{len(ok)} fitting candidate(s); fastest per offload x checkpointing:")
     seen = set()
     for c in ok:
-        if (c.offload, c.setup.checkpointing) not in seen:
-            seen.add((c.offload, c.setup.checkpointing))
-            print(f"  offload {c.offload:9s} checkpointing {c.setup.checkpointing:11s} micro-batch "
-                  f"{c.setup.micro_batch:3d}: ~{c.tokens_per_s:,.0f} tok/s, GPU "
+        key = (c.offload, c.setup.offload_ratio, c.setup.optimizer_states, c.setup.checkpointing)
+        if key not in seen:
+            seen.add(key)
+            print(f"  offload {_offload_name(c):22s} checkpointing {c.setup.checkpointing:11s} "
+                  f"micro-batch {c.setup.micro_batch:3d}: ~{c.tokens_per_s:,.0f} tok/s, GPU "
                   f"{c.est.gpu_nvml / GIB:.1f} GiB, host {c.est.host_rss / GIB:.1f} GiB")
     choice = best(cands, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem)
     if choice is None:
@@ -178,10 +201,10 @@ def cmd_plan(argv: list[str]) -> int:
               f"{closest.setup.checkpointing}, micro-batch 1:")
         print(format_table(closest.est, closest.fit))
         return 1
-    print(f"\nchosen: offload {choice.offload}, checkpointing {choice.setup.checkpointing}, "
+    print(f"\nchosen: offload {_offload_name(choice)}, checkpointing {choice.setup.checkpointing}, "
           f"micro-batch {choice.setup.micro_batch} (~{choice.tokens_per_s:,.0f} tok/s predicted)")
     print(format_table(choice.est, choice.fit))
-    ov = overlay(a.model, choice, a.gpus, shipped)
+    ov = overlay(a.model, choice, a.gpus, shipped, a.nvme_path)
     if a.out:
         from longft.atomic import write_text
 
@@ -194,6 +217,13 @@ def cmd_plan(argv: list[str]) -> int:
     else:
         print("\n" + yaml.safe_dump(ov, sort_keys=False))
     return 0
+
+
+def _offload_name(c) -> str:
+    """The placement as the plan prints it: opt(ratio 0.5), bf16 states marked."""
+    s = c.setup
+    name = c.offload + (f"(ratio {s.offload_ratio:g})" if s.offload_ratio < 1 else "")
+    return name + (" bf16-states" if s.optimizer_states == "bf16" else "")
 
 
 def cmd_max_context(argv: list[str]) -> int:

@@ -142,6 +142,10 @@ class HardwareConfig:
     (artifacts/plan.json, process-tree RSS of this node) with the RAM available now and refuses to
     start when it does not fit. false skips the check (e.g. when the estimate is known to be too
     high for this machine)."""
+    bind_cores: bool = False
+    """Bind each rank to its own share of the CPU cores and their NUMA memory (DeepSpeed launcher's
+    --bind_cores_to_rank, through numactl; sets OMP_NUM_THREADS): CPU Adam's threads stop
+    migrating. Needs launcher deepspeed and numactl."""
     expandable_segments: bool = True
     """Run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (unless that variable is set):
     freed blocks are remapped instead of fragmenting, so reserved VRAM stays close to allocated."""
@@ -187,8 +191,28 @@ class OptimConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: Literal[2, 3] = 3
-    offload_optimizer: Literal["none", "cpu"] = "cpu"
-    """Optimizer states and the Adam step on the host (DeepSpeedCPUAdam)."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "cpu"
+    """Optimizer states and the Adam step on the host (DeepSpeedCPUAdam). nvme = ZeRO-Infinity: the
+    states live in files under zero.nvme_path and stream through host RAM sub-group by sub-group
+    (ZeRO-3 only; DeepSpeed's async_io op, which needs libaio)."""
+    offload_ratio: float = 1.0
+    """offload_optimizer cpu, ZeRO-3: the share of the optimizer states (master weights, Adam m and
+    v, the optimizer's gradient copy) that goes to the host and steps with CPU Adam; the rest stays
+    on the GPU and steps there (DeepSpeed's offload_optimizer.ratio, ZeRO-Offload++). DeepSpeed
+    splits by optimizer sub-groups (zero.sub_group_size elements each, in parameter order): the
+    first int((1 - ratio) x groups) stay on the GPU. 1.0 = all on the host."""
+    optimizer_states: Literal["fp32", "bf16"] = "fp32"
+    """bf16 = master weights, their gradients and Adam's m and v in bf16 (DeepSpeed's
+    bf16_master_weights_and_grads + bf16_optimizer_states): 8 instead of 16 B per parameter, on
+    the host or the GPU. It changes numerics (an update below bf16's resolution of the weight is
+    lost), so it is opt-in; needs precision bf16."""
+    nvme_path: Optional[str] = None
+    """offload_optimizer nvme: an existing, writable directory on a fast local disk with room for
+    the states (16 B per parameter, 8 with optimizer_states bf16); longft writes under it."""
+    sub_group_size: int = 1_000_000_000
+    """Elements per optimizer sub-group (DeepSpeed's zero_optimization.sub_group_size): the unit
+    that CPU Adam steps, NVMe swaps and offload_ratio splits by. Smaller groups split the ratio
+    finer and shrink the per-group step buffers."""
     offload_param: Literal["none", "cpu"] = "none"
     """Parameters on the host, fetched per layer (ZeRO-3 only)."""
     overlap_comm: bool = True
@@ -362,6 +386,10 @@ def _check(cfg: Config) -> list[str]:
     if z.offload_param == "cpu" and z.stage != 3:
         p.append("zero.offload_param: 'cpu' needs zero.stage 3 (ZeRO-2 keeps parameters on the GPU);"
                  " set zero.stage: 3 or zero.offload_param: none")
+    p += _zero_problems(cfg)
+    if h.bind_cores and h.launcher != "deepspeed":
+        p.append("hardware.bind_cores: true needs hardware.launcher deepspeed (its "
+                 "--bind_cores_to_rank); set launcher: deepspeed or bind_cores: false")
     if cfg.kernels.tiled_mlp_tokens < 1:
         p.append(f"kernels.tiled_mlp_tokens: must be >= 1, got {cfg.kernels.tiled_mlp_tokens}")
     g = cfg.checkpointing.gpu_layers
@@ -392,6 +420,41 @@ def _check(cfg: Config) -> list[str]:
         p += (cpu_rules.precision(cfg.precision) + cpu_rules.checkpointing(cfg.checkpointing.mode)
               + cpu_rules.attention(cfg.kernels.attention) + cpu_rules.liger(cfg.kernels.liger)
               + cpu_rules.vram_limit(h.vram_limit_gib))
+    return p
+
+
+def _zero_problems(cfg: Config) -> list[str]:
+    """The optimizer-placement knobs of the zero section (ratio, bf16 states, NVMe)."""
+    z, p = cfg.zero, []
+    if not 0 < z.offload_ratio <= 1:
+        p.append(f"zero.offload_ratio: must be in (0, 1], got {z.offload_ratio} (for none on the host "
+                 "set zero.offload_optimizer: none)")
+    elif z.offload_ratio < 1:
+        if z.offload_optimizer != "cpu":
+            p.append(f"zero.offload_ratio: {z.offload_ratio} splits the states between the GPU and CPU "
+                     f"Adam and needs zero.offload_optimizer: cpu (it is {z.offload_optimizer}); set "
+                     "offload_optimizer: cpu or offload_ratio: 1.0")
+        if z.stage != 3:
+            p.append(f"zero.offload_ratio: {z.offload_ratio} needs zero.stage 3 (DeepSpeed's partial "
+                     "offload exists only in ZeRO-3); set zero.stage: 3 or offload_ratio: 1.0")
+        if z.offload_param != "none":
+            p.append(f"zero.offload_ratio: {z.offload_ratio} with zero.offload_param: cpu is not "
+                     "supported (DeepSpeed's partial offload steps the GPU share against GPU weight "
+                     "partitions; untested with offloaded ones); use one or the other")
+    if z.offload_optimizer == "nvme":
+        if z.stage != 3:
+            p.append("zero.offload_optimizer: nvme needs zero.stage 3 (ZeRO-Infinity); set zero.stage: 3")
+        if not z.nvme_path:
+            p.append("zero.nvme_path: required with zero.offload_optimizer nvme (a directory on a "
+                     "fast local disk)")
+    elif z.nvme_path:
+        p.append(f"zero.nvme_path: {z.nvme_path!r} is used only with zero.offload_optimizer: nvme "
+                 f"(it is {z.offload_optimizer}); set it to null or offload_optimizer: nvme")
+    if z.optimizer_states == "bf16" and cfg.precision not in ("auto", "bf16"):
+        p.append(f"zero.optimizer_states: bf16 needs precision bf16 (it is {cfg.precision}); set "
+                 "precision: bf16 or optimizer_states: fp32")
+    if z.sub_group_size < 1:
+        p.append(f"zero.sub_group_size: must be >= 1, got {z.sub_group_size}")
     return p
 
 

@@ -44,6 +44,14 @@ def lr_scheduler(cfg: Config):
     return lambda optimizer: LambdaLR(optimizer, functools.partial(lr_factor, cfg))
 
 
+def nvme_dir(cfg: Config) -> str:
+    """Where DeepSpeed's swapper writes (it adds its own zero_stage_3/... below): longft's own
+    directory under zero.nvme_path, so a shared path keeps other files apart."""
+    import os
+
+    return os.path.join(cfg.zero.nvme_path, "longft-optimizer")
+
+
 def zero_section(cfg: Config, hidden_size: int) -> dict:
     z = cfg.zero
     sec: dict = {"stage": z.stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": True,
@@ -51,6 +59,12 @@ def zero_section(cfg: Config, hidden_size: int) -> dict:
                  "reduce_bucket_size": hidden_size * hidden_size}
     if z.offload_optimizer == "cpu":
         sec["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if z.offload_ratio < 1:     # the first int((1 - ratio) x sub-groups) step on the GPU
+            sec["offload_optimizer"]["ratio"] = z.offload_ratio
+    elif z.offload_optimizer == "nvme":
+        sec["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir(cfg), "pin_memory": True,
+                                    "buffer_count": 4}
+    sec["sub_group_size"] = z.sub_group_size
     if z.stage == 3:
         sec.update({
             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
@@ -84,7 +98,10 @@ def build(cfg: Config, precision: str, hidden_size: int) -> dict:
                       "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
                                  "weight_decay": o.weight_decay}},
         "zero_optimization": zero_section(cfg, hidden_size),
-        "bf16": {"enabled": precision == "bf16"},
+        "bf16": {"enabled": precision == "bf16",
+                 # zero.optimizer_states bf16: master weights, their gradients and Adam m, v in bf16
+                 **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+                    if precision == "bf16" and cfg.zero.optimizer_states == "bf16" else {})},
         # fp16: dynamic loss scaling (loss_scale 0); overflowing steps are skipped and counted.
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},

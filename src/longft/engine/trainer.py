@@ -79,6 +79,8 @@ def environment(cfg: Config, plan: Plan) -> dict:
         "tiled_mlp": r.tiled_mlp.value, "host_grad_buffer": r.host_grad_buffer.value,
         "gpu_layers": cfg.checkpointing.gpu_layers,
         "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
+        "offload_ratio": cfg.zero.offload_ratio, "optimizer_states": cfg.zero.optimizer_states,
+        "sub_group_size": cfg.zero.sub_group_size, "bind_cores": cfg.hardware.bind_cores,
         "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
         "micro_batch_size": cfg.train.micro_batch_size,
         "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.data.max_seq_length,

@@ -80,6 +80,16 @@ def sub_groups(numels: list[int], size: int = DS_SUB_GROUP_SIZE) -> list[int]:
     return groups
 
 
+def optimizer_split(s: Setup, groups: list[int]) -> tuple[list[int], list[int]]:
+    """(sub-groups stepped on the GPU, sub-groups stepped by CPU Adam). With offload_optimizer,
+    DeepSpeed keeps the first int((1 - ratio) x groups) on the GPU (stage3._create_fp32_partitions:
+    the same float expression, so the same count); without it all stay on the GPU."""
+    if not s.offload_optimizer:
+        return list(groups), []
+    k = int((1 - s.offload_ratio) * len(groups))
+    return list(groups[:k]), list(groups[k:])
+
+
 def zero_knobs(s: Setup, hidden_size: int) -> dict:
     """The DeepSpeed bucket and threshold numbers longft's ds_config writes for this setup."""
     from longft.config.params import Config, ZeroConfig
@@ -104,6 +114,9 @@ class Numbers:
     P_r: int             # a rank's share of them (each parameter padded to the world size)
     Pt_r: int            # a rank's share of the trainable ones
     groups: list         # optimizer sub-groups of the rank's trainable share
+    gpu_groups: list     # the sub-groups whose optimizer states stay on the GPU (offload_ratio)
+    host_groups: list    # the sub-groups CPU Adam steps (on the host, or swapped from NVMe)
+    ms: int              # bytes of a master weight, its gradient and each Adam moment (4, bf16: 2)
     layer: int           # parameters of one decoder layer
     biggest: int         # largest parameter of a decoder layer
     largest: int         # largest parameter of the model (the embedding)
@@ -119,11 +132,14 @@ def numbers(arch: dict, s: Setup) -> Numbers:
     a, N = dims(arch), s.world_size
     params, trainable = param_numels(arch), trainable_numels(arch, s)
     per_layer = layer_params(arch)
+    groups = sub_groups([share(n, N) for n in trainable], s.sub_group_size) if trainable else [0]
+    on_gpu, on_host = optimizer_split(s, groups)
     return Numbers(
         a=a, w=4 if s.precision == "fp32" else 2, T=s.micro_batch * s.seq_len,
         knobs=zero_knobs(s, a["h"]), params=params, trainable=trainable,
         P=sum(n for _, n in params), P_r=sum(share(n, N) for _, n in params),
         Pt_r=sum(share(n, N) for n in trainable),
-        groups=sub_groups([share(n, N) for n in trainable]) if trainable else [0],
+        groups=groups, gpu_groups=on_gpu, host_groups=on_host,
+        ms=2 if s.optimizer_states == "bf16" else 4,
         layer=sum(n for _, n in per_layer), biggest=max(n for _, n in per_layer),
         largest=max(n for _, n in params))

@@ -32,7 +32,7 @@ from longft.config.plan import Resolved
 from longft.estimate.arch import numbers, param_numels, sub_groups, zero_knobs
 from longft.estimate.format import describe, format_table, gib, to_dict
 from longft.estimate.gpu import gpu_activation_items, gpu_state_items, layer_activation_bytes, reuse_layers
-from longft.estimate.host import host_items, host_peak, pinned, pinned_pool
+from longft.estimate.host import disk_items, host_items, host_peak, pinned, pinned_pool
 from longft.estimate.types import (
     CUDA_CONTEXT_BYTES,
     GIB,
@@ -71,7 +71,7 @@ def estimate(arch: dict, s: Setup) -> Estimate:
         raise ValueError("; ".join(bad))
     n = numbers(arch, s)
     items = (gpu_state_items(arch, s, n) + gpu_activation_items(arch, s, n)
-             + host_items(arch, s, n))
+             + host_items(arch, s, n) + disk_items(s, n))
     phases = {p: sum(i.bytes for i in items if i.where == "gpu" and p in i.phases) for p in PHASES}
     peak_phase = max(PHASES, key=lambda p: phases[p])
     alloc = phases[peak_phase]
@@ -109,7 +109,9 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         tiled_mlp=r.tiled_mlp.value,
         tile_tokens=cfg.kernels.tiled_mlp_tokens,
         expandable_segments=cfg.hardware.expandable_segments,
-        zero_stage=cfg.zero.stage, offload_optimizer=cfg.zero.offload_optimizer == "cpu",
+        zero_stage=cfg.zero.stage, offload_optimizer=cfg.zero.offload_optimizer != "none",
+        nvme=cfg.zero.offload_optimizer == "nvme", offload_ratio=cfg.zero.offload_ratio,
+        optimizer_states=cfg.zero.optimizer_states, sub_group_size=cfg.zero.sub_group_size,
         offload_param=cfg.zero.offload_param == "cpu", overlap_comm=cfg.zero.overlap_comm,
         grad_accum=max(1, cfg.train.global_batch_size // (micro * ws)),
         host_grad_buffer=r.host_grad_buffer.value,
@@ -151,10 +153,14 @@ def compare(predicted: dict, train_metrics: dict) -> dict:
 
 
 def fits(est: Estimate, gpu_mem_gib: float | None, host_mem_gib: float | None,
-         vram_limit_gib: float | None = None) -> Fit:
+         vram_limit_gib: float | None = None, disk_gib: float | None = None) -> Fit:
     """Does it fit? GPU: the NVML-level prediction (reserved + context) against the card, and the
-    reserved prediction against hardware.vram_limit_gib; host: predicted RSS against host RAM."""
-    reasons, gpu_ok, host_ok = [], None, None
+    reserved prediction against hardware.vram_limit_gib; host: predicted RSS against host RAM;
+    disk (offload_optimizer nvme): the state files against the free space under zero.nvme_path."""
+    reasons, gpu_ok, host_ok, disk_ok = [], None, None, None
+    if disk_gib is not None and est.disk_bytes:
+        disk_ok = est.disk_bytes <= disk_gib * GIB
+        reasons.append(f"disk: needs {est.disk_bytes / GIB:.2f} GiB of {disk_gib:.1f} GiB free")
     if gpu_mem_gib is not None:
         gpu_ok = est.gpu_nvml <= gpu_mem_gib * GIB
         factor = reserved_factor(est.setup.expandable_segments)
@@ -169,4 +175,4 @@ def fits(est: Estimate, gpu_mem_gib: float | None, host_mem_gib: float | None,
     if host_mem_gib is not None:
         host_ok = est.host_rss <= host_mem_gib * GIB
         reasons.append(f"host: needs {est.host_rss / GIB:.2f} GiB of {host_mem_gib:.1f} GiB")
-    return Fit(gpu_ok, host_ok, tuple(reasons))
+    return Fit(gpu_ok, host_ok, tuple(reasons), disk_ok)

@@ -39,6 +39,8 @@ def to_dict(est: Estimate) -> dict:
                 "phases_bytes": dict(est.gpu_phases), "items": items("gpu")},
         "host": {"rss_bytes": est.host_rss, "rss_gib": gib(est.host_rss),
                  "peak_moment": est.host_peak_moment, "items": items("host")},
+        **({"disk": {"bytes": est.disk_bytes, "gib": gib(est.disk_bytes), "items": items("disk")}}
+           if est.disk_bytes else {}),
         "constants": {"reserved_factor": reserved_factor(est.setup.expandable_segments),
                       "cuda_context_bytes": CUDA_CONTEXT_BYTES,
                       "rank_base_bytes": RANK_BASE_BYTES, "launcher_base_bytes": LAUNCHER_BASE_BYTES,
@@ -51,8 +53,12 @@ def to_dict(est: Estimate) -> dict:
 
 def describe(s: Setup) -> str:
     """One line: what the estimate is for."""
-    off = "+".join(n for n, on in (("optimizer", s.offload_optimizer), ("params", s.offload_param))
+    opt = "optimizer" + ("(nvme)" if s.nvme else f"(ratio {s.offload_ratio:g})"
+                         if s.offload_ratio < 1 else "")
+    off = "+".join(n for n, on in ((opt, s.offload_optimizer), ("params", s.offload_param))
                    if on) or "none"
+    if s.optimizer_states == "bf16":
+        off += ", bf16 optimizer states"
     attn = s.attention + (f"({s.sdpa_backend})" if s.attention == "sdpa" else "")
     where = "" if s.device == "cuda" else " on CPU (GPU items = the rank's tensors in host RAM)"
     return (f"seq {s.seq_len:,} x micro-batch {s.micro_batch}, {s.world_size} rank(s){where}, "
@@ -80,6 +86,10 @@ def format_table(est: Estimate, fit: Fit | None = None) -> str:
     lines.append("  by moment: " + " | ".join(
         f"{p} {est.host_moments[p] / GIB:.3f}" + (" <- peak" if p == est.host_peak_moment else "")
         for p in HOST_PHASES))
+    for i in est.items:
+        if i.where == "disk":
+            lines.append(f"{'disk (zero.nvme_path), per node':48s} {'GiB':>9s}")
+            lines.append(f"  {i.name:46s} {i.bytes / GIB:9.3f}  {'all':18s} {i.formula}")
     lines += ["",
               f"peak VRAM (torch max allocated)   {est.gpu_allocated / GIB:9.3f} GiB  [{est.gpu_peak_phase}]",
               f"VRAM reserved (x {reserved_factor(est.setup.expandable_segments)})          "
@@ -90,5 +100,6 @@ def format_table(est: Estimate, fit: Fit | None = None) -> str:
         lines.append("")
         lines += [f"{r}" for r in fit.reasons]
         verdict = {True: "fits", False: "does NOT fit", None: "not checked"}
-        lines.append(f"verdict: GPU {verdict[fit.gpu_ok]}, host {verdict[fit.host_ok]}")
+        lines.append(f"verdict: GPU {verdict[fit.gpu_ok]}, host {verdict[fit.host_ok]}"
+                     + (f", disk {verdict[fit.disk_ok]}" if est.disk_bytes else ""))
     return "\n".join(lines)

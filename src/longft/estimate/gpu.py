@@ -105,16 +105,27 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
                 f"{w} B x 0.9 h^2 = {k['stage3_prefetch_bucket_size']:,} elements")
     else:
         gpu("weights: full copy (ZeRO-2)", w * n.P, ALL, f"{w} B x {n.P:,} params on every rank")
-    master = 0 if w == 4 else 4                 # fp32 runs update the weights themselves
+    ms = n.ms
+    kind = "bf16" if ms == 2 else "fp32"
     if not s.offload_optimizer:
+        # fp32 runs, and bf16 master weights, update the training weights themselves
+        master = 0 if w == 4 or ms == w else 4
         gpu("gradients: partitions", w * n.Pt_r, ALL,
             f"{w} B x {sum(n.trainable):,} trainable / {N}")
-        gpu("optimizer: fp32 master + Adam m, v", (master + 8) * n.Pt_r, ALL,
-            f"({master} + 4 + 4) B x {n.Pt_r:,} trainable per rank")
+        gpu(f"optimizer: {kind} master + Adam m, v", (master + 2 * ms) * n.Pt_r, ALL,
+            f"({master} + {ms} + {ms}) B x {n.Pt_r:,} trainable per rank")
         g = max(n.groups) if z3 else n.Pt_r
-        extra = w if w != 4 else 0
-        gpu("step: fp32 gradient of the largest sub-group", (4 + extra) * g, ("step",),
-            f"(4 + {extra}) B x {g:,} elements (flatten, .float())")
+        extra = w if w != ms else 0
+        gpu(f"step: {kind} gradient of the largest sub-group", (ms + extra) * g, ("step",),
+            f"({ms} + {extra}) B x {g:,} elements (flatten, .{kind}())")
+    elif z3 and n.gpu_groups:                   # offload_ratio < 1: these groups step on the GPU
+        G = sum(n.gpu_groups)
+        gpu(f"optimizer on GPU: {kind} master, grad, m, v", 4 * ms * G, ALL,
+            f"4 x {ms} B x {G:,} elements ({len(n.gpu_groups)} of {len(n.groups)} sub-groups: "
+            f"offload_ratio {s.offload_ratio:g})")
+        g = max(n.gpu_groups)
+        gpu("step: AdamW temporary of the largest GPU sub-group", ms * g, ("step",),
+            f"{ms} B x {g:,} elements (torch AdamW's sqrt(v) buffer)")
     elif not z3:
         gpu("gradient staging buffer (ZeRO-2 offload)", w * n.largest, ALL,
             f"{w} B x largest param {n.largest:,}")

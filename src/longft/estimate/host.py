@@ -11,6 +11,7 @@ from longft.estimate.types import (
     GIB,
     HOST_PHASES,
     LAUNCHER_BASE_BYTES,
+    NVME_BUFFER_COUNT,
     RANK_BASE_BYTES,
     SETUP_LAUNCHER_BYTES,
     SETUP_RANK_BYTES,
@@ -104,9 +105,19 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
             alloc(f"init:{i}", w * share(m, N), "")
         alloc("lp", w * n.P_r, "weights: partitions (pinned)")
         events += [("free", f"init:{i}", 0) for i in range(len(n.params))]
+    kind = "bf16" if n.ms == 2 else "fp32"
     if s.offload_optimizer and z3:
-        for i, g in enumerate(n.groups):
-            alloc(f"g32:{i}", 4 * g, "CPU Adam fp32 gradients (pinned)")
+        k = len(n.gpu_groups)
+        if s.nvme:           # the swapper's buffers; the states themselves are in NVMe files
+            g = max(n.groups)
+            for j in range(NVME_BUFFER_COUNT):
+                alloc(f"swap:{j}", n.ms * g, "NVMe swap buffers (pinned)")
+        for i, g in enumerate(n.groups if not s.nvme else []):
+            # every sub-group's gradient buffer is made pinned on the host; a GPU group's is then
+            # copied to the GPU and freed into torch's pinned cache (stage3.initialize_optimizer_states)
+            alloc(f"g32:{i}", n.ms * g, f"CPU Adam {kind} gradients (pinned)")
+            if i < k:
+                events.append(("free", f"g32:{i}", 0))
         alloc("g16", w * n.Pt_r, "gradients: partitions (pinned)")
         if s.host_grad_buffer == "shared":  # the trainer swaps it for one slot (grad_buffer.py)
             alloc("g16s", w * max(share(m, N) for m in n.trainable),
@@ -147,17 +158,33 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         out.append(Item("pinned blocks cached (freed, not reused)", "host",
                         R * (resident - sum(live.values())), ("steady",),
                         "freed pinned blocks kept in torch's host cache"))
-    if s.offload_optimizer and z3 and not s.offload_param and cuda and w < 4 and max(n.groups):
+    host_share = sum(n.host_groups) if z3 else n.Pt_r
+    if (s.offload_optimizer and z3 and not s.offload_param and cuda and w < n.ms
+            and max(n.host_groups, default=0)):
         # the step copies each sub-group's fp32 master into the GPU's bf16 partition; a CPU -> GPU
         # copy_ that changes dtype converts on the CPU first (ATen copy_kernel_cuda), into a
         # pageable temporary that lives while the copy runs
-        g = max(n.groups)
+        g = max(n.host_groups)
         out.append(Item("step: bf16 copy of a sub-group (pageable)", "host", R * w * g,
                         ("steady",), f"{R} rank(s) x {w} B x {g:,} elements, during the step"))
-    if s.offload_optimizer:
+    if s.offload_optimizer and not s.nvme and host_share:
+        of = "" if s.offload_ratio == 1 else f" (offload_ratio {s.offload_ratio:g}: {len(n.host_groups)} of " \
+            f"{len(n.groups)} sub-groups)"
         if z3:
-            out.append(Item("optimizer: fp32 master", "host", R * 4 * n.Pt_r, HOST_PHASES,
-                            f"{R} x 4 B x {n.Pt_r:,}"))
-        out.append(Item("optimizer: Adam m, v (CPU Adam)", "host", R * 8 * n.Pt_r, ("steady",),
-                        f"{R} x 8 B x {n.Pt_r:,}"))
+            out.append(Item(f"optimizer: {kind} master", "host", R * n.ms * host_share, HOST_PHASES,
+                            f"{R} x {n.ms} B x {host_share:,}{of}"))
+        moments = "optimizer: Adam m, v (CPU Adam" + (", bf16)" if n.ms == 2 else ")")
+        out.append(Item(moments, "host", R * 2 * n.ms * host_share, ("steady",),
+                        f"{R} x {2 * n.ms} B x {host_share:,}{of}"))
     return out
+
+
+def disk_items(s: Setup, n: Numbers) -> list[Item]:
+    """offload_optimizer nvme: the files under zero.nvme_path (per node): each rank's master
+    weights, Adam m and v, and the optimizer's gradient copy."""
+    if not s.nvme:
+        return []
+    kind = "bf16" if n.ms == 2 else "fp32"
+    R = s.ranks_per_node
+    return [Item(f"NVMe: {kind} master, gradient, Adam m, v", "disk", R * 4 * n.ms * n.Pt_r,
+                 HOST_PHASES, f"{R} rank(s) x 4 x {n.ms} B x {n.Pt_r:,}")]

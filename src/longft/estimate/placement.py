@@ -34,6 +34,11 @@ CPU_ADAM_PARAMS_PER_S = 2.2e9
 """DeepSpeedCPUAdam speed (H200 row b: 1.24e9 parameters in 0.55 s on 16 cores)."""
 GPU_ADAM_BYTES_PER_S = 1.5e12
 """Fused Adam on the GPU: 16 B read+written per parameter at about this rate."""
+NVME_BYTES_PER_S = 2e9
+"""offload_optimizer nvme: read + write bandwidth assumed for the state files (a PCIe 4 NVMe drive;
+DeepSpeed's aio reaches about this per drive)."""
+RATIO_STEPS = 16
+"""At most this many offload_ratio values per placement in the search (evenly over the sub-groups)."""
 
 
 def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
@@ -59,11 +64,48 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     if s.checkpointing == "cpu_offload":
         moved = max(0, arch["num_hidden_layers"] - s.gpu_layers)
         micro += EXPOSED_FRACTION * 2 * moved * T * arch["hidden_size"] * w / HOST_LINK_BYTES_PER_S
-    if s.offload_optimizer:
-        opt = P_r / CPU_ADAM_PARAMS_PER_S + w * P_r / HOST_LINK_BYTES_PER_S
-    else:
-        opt = 16 * P_r / GPU_ADAM_BYTES_PER_S
-    return s.grad_accum * micro + opt
+    return s.grad_accum * micro + optimizer_seconds(arch, s)
+
+
+def optimizer_seconds(arch: dict, s: Setup) -> float:
+    """Predicted seconds of the optimizer step: CPU Adam over the host's sub-groups (plus copying
+    their weights back, and with NVMe reading and writing their states), GPU Adam over the rest."""
+    from longft.estimate.arch import numbers
+
+    n = numbers(arch, s)
+    on_gpu, on_host = sum(n.gpu_groups), sum(n.host_groups)
+    t = 4 * n.ms * on_gpu / GPU_ADAM_BYTES_PER_S
+    if on_host:
+        t += on_host / CPU_ADAM_PARAMS_PER_S + n.w * on_host / HOST_LINK_BYTES_PER_S
+        if s.nvme:
+            t += 2 * 4 * n.ms * on_host / NVME_BYTES_PER_S
+    return t
+
+
+def offload_ratios(arch: dict, s: Setup) -> list[float]:
+    """The offload_ratio values worth trying for `s`: one per count of sub-groups kept on the GPU
+    (all on the host = 1.0 first), at most RATIO_STEPS of them, each the round number that gives
+    that count under DeepSpeed's int((1 - ratio) x groups)."""
+    from longft.estimate.arch import numbers
+
+    groups = len(numbers(arch, dataclasses.replace(s, offload_ratio=1.0)).groups)
+    ks = sorted({round(i * (groups - 1) / max(1, RATIO_STEPS - 1))
+                 for i in range(min(groups, RATIO_STEPS))})
+    return [ratio_for(k, groups) for k in ks]
+
+
+def ratio_for(k: int, groups: int) -> float:
+    """The roundest offload_ratio that keeps exactly k of `groups` sub-groups on the GPU: a ratio
+    in ((groups - k - 1) / groups, (groups - k) / groups], checked with DeepSpeed's own expression."""
+    import math
+
+    lo, hi = (groups - k - 1) / groups, (groups - k) / groups
+    for digits in range(1, 7):
+        top = math.floor(hi * 10**digits + 1e-9)   # the largest such number <= hi, and the next
+        for r in (top / 10**digits, (top - 1) / 10**digits):
+            if lo < r <= 1 and int((1 - r) * groups) == k:
+                return r
+    return (groups - k - 0.5) / groups
 
 
 def tokens_per_second(arch: dict, s: Setup, gpu_name: str | None) -> float:
@@ -73,7 +115,10 @@ def tokens_per_second(arch: dict, s: Setup, gpu_name: str | None) -> float:
 
 # ---------------------------------------------------------------- search
 
-OFFLOADS = {"none": (False, False), "opt": (True, False), "opt+param": (True, True)}
+OFFLOADS = {"none": (False, False), "opt": (True, False), "opt+param": (True, True),
+            "opt(nvme)": (True, False)}
+"""Placements by name: (optimizer off the GPU, parameters off the GPU). opt(nvme) only where the
+search is given a disk (an NVMe path's free space)."""
 MODES = ("none", "gpu", "cpu_offload")
 
 
@@ -133,29 +178,41 @@ def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | 
 
 def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu_name: str | None,
            max_micro: int = 64, modes: tuple[str, ...] = MODES,
-           share_grads: bool = True) -> list[Candidate]:
-    """Every ZeRO-3 candidate (offload x checkpointing x micro-batch 1..max_micro) that fits, and
-    for each offload x mode that fits at no micro-batch its micro-batch-1 candidate (not fitting).
-    Memory grows with the micro-batch, so each scan stops at the first that does not fit.
-    Candidates have one micro-step per step: with the optimizer on the CPU they share the host
-    gradient buffer (zero.host_grad_buffer) unless `share_grads` is off or the precision is fp16."""
+           share_grads: bool = True, states: tuple[str, ...] = ("fp32",),
+           disk_gib: float | None = None) -> list[Candidate]:
+    """Every ZeRO-3 candidate (offload x offload_ratio x optimizer states x checkpointing x
+    micro-batch 1..max_micro) that fits, and for each offload x ratio x states x mode that fits at
+    no micro-batch its micro-batch-1 candidate (not fitting). Memory grows with the micro-batch, so
+    each scan stops at the first that does not fit. `states`: the optimizer-state precisions the
+    params allow (bf16 changes numerics: only when asked). `disk_gib`: free space under an NVMe
+    path; None leaves NVMe out. Candidates have one micro-step per step: with the optimizer on
+    the CPU they share the host gradient buffer (zero.host_grad_buffer) unless `share_grads` is
+    off or the precision is fp16."""
     out = []
     for off, (opt, param) in OFFLOADS.items():
-        shared = share_grads and not why_not(3, opt, 1, base.precision)
-        for mode in modes:
-            for m in range(1, max_micro + 1):
-                s = dataclasses.replace(base, micro_batch=m, checkpointing=mode, zero_stage=3,
-                                        offload_optimizer=opt, offload_param=param, grad_accum=1,
-                                        gpu_layers=0, keep_attention=0,
-                                        host_grad_buffer="shared" if shared else "full")
-                if mode != "none":
-                    s = keep_on_gpu(arch, s, gpu_mem_gib, host_mem_gib)
-                e = estimate(arch, s)
-                f = fits(e, gpu_mem_gib, host_mem_gib)
-                if f.ok or m == 1:
-                    out.append(Candidate(s, e, f, tokens_per_second(arch, s, gpu_name), off))
-                if not f.ok:
-                    break
+        nvme = off == "opt(nvme)"
+        if nvme and disk_gib is None:
+            continue
+        shared = share_grads and not why_not(3, "nvme" if nvme else opt, 1, base.precision)
+        for st in states:
+            first = dataclasses.replace(base, zero_stage=3, offload_optimizer=opt, offload_param=param,
+                                        nvme=nvme, optimizer_states=st, offload_ratio=1.0)
+            ratios = offload_ratios(arch, first) if off == "opt" else [1.0]
+            for ratio in ratios:
+                for mode in modes:
+                    for m in range(1, max_micro + 1):
+                        s = dataclasses.replace(first, micro_batch=m, checkpointing=mode,
+                                                offload_ratio=ratio, grad_accum=1,
+                                                gpu_layers=0, keep_attention=0,
+                                                host_grad_buffer="shared" if shared else "full")
+                        if mode != "none":
+                            s = keep_on_gpu(arch, s, gpu_mem_gib, host_mem_gib)
+                        e = estimate(arch, s)
+                        f = fits(e, gpu_mem_gib, host_mem_gib, disk_gib=disk_gib)
+                        if f.ok or m == 1:
+                            out.append(Candidate(s, e, f, tokens_per_second(arch, s, gpu_name), off))
+                        if not f.ok:
+                            break
     return out
 
 
@@ -178,7 +235,7 @@ def best(cands: list[Candidate], within: float = 0.02, gpu_mem_gib: float | None
     return min(near, key=lambda c: (c.gpu_need, -c.tokens_per_s))
 
 
-def overlay(model: str, c: Candidate, gpus: int, shipped: bool) -> dict:
+def overlay(model: str, c: Candidate, gpus: int, shipped: bool, nvme_path: str | None = None) -> dict:
     """The params overlay for a candidate (merge onto params.yaml)."""
     s = c.setup
     opt, param = OFFLOADS[c.offload]
@@ -192,8 +249,10 @@ def overlay(model: str, c: Candidate, gpus: int, shipped: bool) -> dict:
         # otherwise survive where the plan chose none
         "checkpointing": {"mode": s.checkpointing, "gpu_layers": s.gpu_layers,
                           "keep_attention": s.keep_attention},
-        "zero": {"stage": 3, "offload_optimizer": "cpu" if opt else "none",
+        "zero": {"stage": 3, "offload_optimizer": s.offload_device,
                  "offload_param": "cpu" if param else "none",
-                 "host_grad_buffer": s.host_grad_buffer},
+                 "offload_ratio": s.offload_ratio, "optimizer_states": s.optimizer_states,
+                 "host_grad_buffer": s.host_grad_buffer,
+                 **({"nvme_path": nvme_path} if s.nvme else {"nvme_path": None})},
         "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},
     }

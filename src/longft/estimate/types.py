@@ -60,8 +60,11 @@ they add up to the 1.07-1.08 GiB that the repository's CPU run has measured at e
 c9ab3e7 (metrics/train.json); the split is assumed. A run that compiles DeepSpeed's CPU Adam first
 (a fresh machine) peaks at start-up with the compiler's processes instead: 5.0 GiB at 657d855."""
 DS_SUB_GROUP_SIZE = 10**9
-"""DeepSpeed's default zero_optimization.sub_group_size (ds_config does not set it): the optimizer
-step and its fp32 gradient buffers work on groups of about this many parameter elements."""
+"""DeepSpeed's default zero_optimization.sub_group_size (zero.sub_group_size's default): the
+optimizer step and its fp32 gradient buffers work on groups of about this many parameter elements."""
+NVME_BUFFER_COUNT = 4
+"""offload_optimizer nvme: DeepSpeed's optimizer swapper keeps this many pinned buffers of the
+largest sub-group (offload_optimizer.buffer_count; Adam's 4 states: weight, gradient, m, v)."""
 LOSS_CHUNK_MEM = 1
 """Liger fused linear cross-entropy's chunk_mem_const: logits chunk ~ BT x H elements."""
 
@@ -88,12 +91,21 @@ class Setup:
     offload_optimizer: bool = False
     offload_param: bool = False
     overlap_comm: bool = True
+    offload_ratio: float = 1.0       # share of the optimizer's sub-groups on the host (DeepSpeed ratio)
+    nvme: bool = False               # offload_optimizer to NVMe files (ZeRO-Infinity), via host buffers
+    optimizer_states: str = "fp32"   # fp32 | bf16 (master weights, their gradients, Adam m and v)
+    sub_group_size: int = DS_SUB_GROUP_SIZE
     grad_accum: int = 1
     host_grad_buffer: str = "full"   # full | shared (grad_buffer.py): DeepSpeed's host gradient copy
     block_mask: bool = False         # packed rows under transformers' dense [s x s] block mask
                                      # (kernels.packed_attention: mask; per-document attention has none)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+
+    @property
+    def offload_device(self) -> str:
+        """zero.offload_optimizer as params.yaml spells it: none | cpu | nvme."""
+        return "nvme" if self.nvme else "cpu" if self.offload_optimizer else "none"
 
     def problems(self) -> list[str]:
         p = []
@@ -113,10 +125,24 @@ class Setup:
             p.append(f"zero_stage {self.zero_stage} is not 2 or 3")
         if self.offload_param and self.zero_stage != 3:
             p.append("offload_param needs zero_stage 3")
+        if not 0 < self.offload_ratio <= 1:
+            p.append(f"offload_ratio {self.offload_ratio} is not in (0, 1]")
+        elif self.offload_ratio < 1 and not (self.offload_optimizer and self.zero_stage == 3
+                                             and not self.nvme and not self.offload_param):
+            p.append("offload_ratio < 1 needs offload_optimizer to the CPU, zero_stage 3 and no "
+                     "offload_param")
+        if self.nvme and not (self.offload_optimizer and self.zero_stage == 3):
+            p.append("nvme needs offload_optimizer and zero_stage 3")
+        if self.optimizer_states not in ("fp32", "bf16"):
+            p.append(f"optimizer_states {self.optimizer_states!r} is not fp32 or bf16")
+        elif self.optimizer_states == "bf16" and self.precision != "bf16":
+            p.append("optimizer_states bf16 needs precision bf16")
+        if self.sub_group_size < 1:
+            p.append("sub_group_size must be >= 1")
         if self.host_grad_buffer not in ("full", "shared"):
             p.append(f"host_grad_buffer {self.host_grad_buffer!r} is not full or shared")
         elif self.host_grad_buffer == "shared" and why_not(
-                self.zero_stage, self.offload_optimizer, self.grad_accum, self.precision):
+                self.zero_stage, self.offload_device, self.grad_accum, self.precision):
             p.append("host_grad_buffer shared needs zero_stage 3, offload_optimizer, grad_accum 1 "
                      "and not fp16")
         return p
@@ -125,7 +151,7 @@ class Setup:
 @dataclass(frozen=True)
 class Item:
     name: str
-    where: str                       # "gpu" (per rank) or "host" (per node)
+    where: str                       # "gpu" (per rank), "host" or "disk" (per node)
     bytes: int
     phases: tuple[str, ...]          # GPU: the PHASES it is alive in; host: HOST_PHASES
     formula: str
@@ -150,13 +176,19 @@ class Estimate:
     def host_items(self) -> list[Item]:
         return [i for i in self.items if i.where == "host"]
 
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the NVMe state files per node (offload_optimizer nvme; else 0)."""
+        return sum(i.bytes for i in self.items if i.where == "disk")
+
 
 @dataclass(frozen=True)
 class Fit:
     gpu_ok: bool | None              # None: no GPU size to compare with
     host_ok: bool | None
     reasons: tuple[str, ...]
+    disk_ok: bool | None = None      # None: nothing on disk, or no free space to compare with
 
     @property
     def ok(self) -> bool:
-        return self.gpu_ok is not False and self.host_ok is not False
+        return self.gpu_ok is not False and self.host_ok is not False and self.disk_ok is not False

@@ -44,6 +44,7 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     device = put("device", resolve_device(cfg, hw))
     problems.extend(check_num_gpus(cfg, hw, device))
     precision = put("precision", resolve_precision(cfg, hw, device))
+    problems.extend(check_optimizer_states(cfg, precision))
     attention = put("attention", resolve_attention(cfg, hw, device, softcap))
     put("sdpa_backend", resolve_sdpa_backend(cfg, hw, device, attention))
     put("packed_attention", resolve_packed_attention(cfg, hw, device, attention))
@@ -310,7 +311,7 @@ def resolve_checkpointing(cfg: Config, device: str) -> tuple[Choice, list[str]]:
 def resolve_host_grad_buffer(cfg: Config, precision: str) -> tuple[Choice, list[str]]:
     """auto: shared where one host slot is exact (why_not_shared_grad_buffer), else full."""
     hb, z = cfg.zero.host_grad_buffer, cfg.zero
-    why_not = why_not_shared_grad_buffer(z.stage, z.offload_optimizer == "cpu", cfg.grad_accum_steps,
+    why_not = why_not_shared_grad_buffer(z.stage, z.offload_optimizer, cfg.grad_accum_steps,
                                          precision)
     if hb == "auto":
         return Choice("full" if why_not else "shared",
@@ -321,6 +322,16 @@ def resolve_host_grad_buffer(cfg: Config, precision: str) -> tuple[Choice, list[
             f"zero.host_grad_buffer: shared cannot run here: {'; '.join(why_not)}. "
             "Set it to auto or full"]
     return Choice(hb, "set in params"), []
+
+
+def check_optimizer_states(cfg: Config, precision: str) -> list[str]:
+    """zero.optimizer_states bf16 keeps master weights in the training dtype: bf16 only (precision
+    auto may resolve to fp16 on a V100 or fp32 on a CPU)."""
+    if cfg.zero.optimizer_states == "bf16" and precision != "bf16":
+        return [f"zero.optimizer_states: bf16 needs precision bf16, and precision resolved to "
+                f"{precision} here; set precision: bf16 (Ampere or newer, or CPU) or "
+                "optimizer_states: fp32"]
+    return []
 
 
 def check_vram_limit(cfg: Config, hw: Hardware, device: str) -> list[str]:
@@ -335,12 +346,18 @@ def check_vram_limit(cfg: Config, hw: Hardware, device: str) -> list[str]:
     return []
 
 
-def why_not_shared_grad_buffer(stage: int, offload_optimizer: bool, grad_accum: int, precision: str) -> list[str]:
+def why_not_shared_grad_buffer(stage: int, offload_optimizer: bool | str, grad_accum: int,
+                               precision: str) -> list[str]:
     """Why a shared slot would not be exact for this setup ([] = it is): the one rule that
-    resolve, the estimator and the planner apply."""
+    resolve, the estimator and the planner apply. offload_optimizer: "none" | "cpu" | "nvme" (or a
+    bool: cpu or not); the slot is proven for cpu only (NVMe swaps gradients through its own
+    buffers)."""
+    off = offload_optimizer
+    if isinstance(off, bool):
+        off = "cpu" if off else "none"
     return [why for why, bad in (
         (f"zero.stage is {stage}", stage != 3),
-        ("zero.offload_optimizer is none", not offload_optimizer),
+        (f"zero.offload_optimizer is {off}", off != "cpu"),
         (f"gradients accumulate over {grad_accum} micro-steps "
          "(train.global_batch_size > micro_batch_size x GPUs)", grad_accum > 1),
         ("precision is fp16 (DeepSpeed's overflow check reads every partition's host copy)",

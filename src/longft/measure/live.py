@@ -69,8 +69,12 @@ class LiveMetrics:
         self.live = self.tb = None
         if not enabled:
             return
-        from dvclive import Live
-
+        try:
+            from dvclive import Live
+        except ImportError:   # a bare GPU image without DVC: train on, without the live plots
+            print("longft: dvclive is not installed: no live per-step plots (pip install dvclive)",
+                  flush=True)
+            return
         live_dir = Path(run_dir) / LIVE_DIR
         if resume_step:
             cut_after(live_dir / "plots" / "metrics", resume_step)

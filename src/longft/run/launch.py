@@ -53,6 +53,11 @@ def command(cfg: Config, device: str, worker_args: list[str], port: int) -> list
         # On CPU the launcher's own slot count is the number of NUMA nodes (often 1): several CPU
         # workers must be asked for, or it starts one and the worker refuses the world size.
         cmd += ["--num_gpus", str(h.num_gpus)]
+    if h.bind_cores:   # each rank on its share of the cores (numactl), OMP_NUM_THREADS to match
+        if shutil.which("numactl") is None:
+            raise LaunchError("hardware.bind_cores: true binds ranks to cores through numactl, which "
+                              "is not installed: `apt-get install numactl`, or set bind_cores: false")
+        cmd += ["--bind_cores_to_rank"]
     cmd += ["--master_port", str(port), "--no_local_rank", "--module", "longft.engine.worker",
             *worker_args]
     return cmd

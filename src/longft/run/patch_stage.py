@@ -8,6 +8,7 @@ from longft import hardware
 from longft.config.params import Config, to_dict
 from longft.engine import ds_config
 from longft.estimate.estimator import estimate_for_plan
+from longft.hardware import nvme
 from longft.model import patches as patch
 from longft.model.architecture import architecture
 from longft.model.loading import check_context_length, load_model_config
@@ -24,9 +25,12 @@ def meta_model(model_config, attention: str, trust_remote_code: bool = False):
                                                 trust_remote_code=trust_remote_code)
 
 
-def model_state_bytes(n_params: int, n_trainable: int, precision: str) -> dict:
-    """Bytes of weights, gradients and Adam states (mixed precision: fp32 master + 2 moments)."""
+def model_state_bytes(n_params: int, n_trainable: int, precision: str, states: str = "fp32") -> dict:
+    """Bytes of weights, gradients and Adam states (mixed precision: fp32 master + 2 moments;
+    zero.optimizer_states bf16: bf16 master + 2 bf16 moments)."""
     w = 4 if precision == "fp32" else 2
+    if states == "bf16":
+        return {"weights": n_params * w, "gradients": n_trainable * w, "optimizer": n_trainable * 6}
     master = 0 if precision == "fp32" else 4
     return {"weights": n_params * w, "gradients": n_trainable * w,
             "optimizer": n_trainable * (master + 8)}
@@ -68,8 +72,13 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
         n_trainable = sum(cfg.lora.rank * (m.in_features + m.out_features) for m in targets)
     else:
         n_trainable = n_params
-    states = model_state_bytes(n_params, n_trainable, precision)
+    states = model_state_bytes(n_params, n_trainable, precision, cfg.zero.optimizer_states)
     ds = ds_config.build(cfg, precision, arch["hidden_size"])
+    est = estimate_for_plan(cfg, arch, choices, cfg.world_size)
+    if cfg.zero.offload_optimizer == "nvme":   # the disk and libaio, before any rank starts
+        found = nvme.problems(cfg.zero.nvme_path, est.get("disk", {}).get("bytes", 0))
+        if found:
+            raise hardware.PlanError(found)
     plan = {
         "config": to_dict(cfg),
         "hardware": hw.to_dict(),
@@ -83,7 +92,7 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
                   "grad_accum_steps": cfg.grad_accum_steps, "seq_len": cfg.data.max_seq_length,
                   "tokens_per_step": cfg.tokens_per_step},
         "memory_estimate": {"model_states_bytes": states,
-                            "estimate": estimate_for_plan(cfg, arch, choices, cfg.world_size),
+                            "estimate": est,
                             "note": "itemised peak VRAM per rank and DRAM per node; "
                                     "formulas in docs/estimator.md"},
     }
