@@ -1,7 +1,7 @@
 """Issue 19 A, the engine side: the held-out eval's loss equals the model's own loss without
 making [seq x vocab] logits, the retrieval score reads the right tokens, every rank runs as many
 forwards, and the model is back in train mode afterwards (no DeepSpeed needed here; the train
-stage runs it under ZeRO-3 in tests/test_eval_pipeline.py)."""
+stage runs it under ZeRO-3 in the default pipeline; two ranks' all-reduce is emulated below)."""
 
 import copy
 import json

@@ -1,7 +1,7 @@
 """Issue 19 A, item 3: the numbers move when the model learns, and stay put when it does not.
 
-A tiny random-init Llama (plain torch AdamW, no DeepSpeed: the ZeRO-3 path is
-tests/test_eval_pipeline.py) trains on the prepared synthetic rows; the held-out eval
+A tiny random-init Llama (plain torch AdamW, no DeepSpeed: the train stage runs the same
+evaluator under ZeRO-3) trains on the prepared synthetic rows; the held-out eval
 (engine/evaluate.py) must see its loss fall well below the untrained model's. The retrieval score
 is then shown to detect learned citations: the same model trained on the held-out samples
 themselves must cite most of them, far above chance (1 / documents). That second part is a test
