@@ -87,7 +87,7 @@ def test_out_of_memory_is_told_apart_from_other_failures():
 def test_overlay_and_the_emulated_card():
     over = run_overlay(8 * K, 2, 4, "random", 14.1)
     assert over["data"] == {"max_seq_length": 8 * K, "num_samples": 8}
-    assert over["train"] == {"iterations": 2, "warmup_iterations": 1}
+    assert over["train"] == {"iterations": 2, "epochs": None, "warmup_iterations": 1}
     assert over["output"]["save_checkpoint"] is False and over["output"]["export"] is False
     assert over["hardware"] == {"vram_limit_gib": 14.1}
     one = run_overlay(K, 1, 2, "jsonl", None)

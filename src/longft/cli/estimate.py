@@ -71,7 +71,11 @@ def _resolve(cfg, hw, model_type: str) -> tuple[dict, list[str]]:
     if cfg.hardware.device == "cpu":
         notes.append("hardware.device is cpu: estimated as the same run on a GPU")
         c = dataclasses.replace(c, hardware=dataclasses.replace(c.hardware, device="auto"))
-    choices = resolve(c, target, model_type)
+    from longft.model.loading import load_model_config
+    from longft.model.patches import attention_softcap
+
+    # a softcapping model (Gemma 2) resolves to the attention the run will take (not SDPA)
+    choices = resolve(c, target, model_type, attention_softcap(load_model_config(cfg.model)))
     return {k: ch.value for k, ch in choices.items()}, notes
 
 

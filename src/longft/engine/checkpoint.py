@@ -103,9 +103,11 @@ def fingerprint(cfg: Config) -> str:
     keep = {k: d[k] for k in ("model", "data", "kernels", "precision", "zero", "lora", "optim")}
     # where gradients are staged on the host changes no result (grad_buffer.py), and checkpoints
     # written before the knob existed must still resume
-    keep["zero"] = {k: v for k, v in d["zero"].items() if k != "host_grad_buffer"}
-    keep["train"] = {k: v for k, v in d["train"].items() if k not in ("iterations", "log_every",
-                                                                       "warmup_iterations")}
+    # (nor does where NVMe swap files live: the checkpoint holds the states)
+    keep["zero"] = {k: v for k, v in d["zero"].items() if k not in ("host_grad_buffer", "nvme_path")}
+    # how long to train (steps or epochs), what to log and when to evaluate change no step's result
+    keep["train"] = {k: v for k, v in d["train"].items() if k not in (
+        "iterations", "epochs", "log_every", "warmup_iterations", "eval_every")}
     keep["world_size"] = cfg.world_size
     # the LR schedule is torch's LambdaLR over ds_config.lr_factor since this version; DeepSpeed's
     # WarmupCosineLR state of older checkpoints does not load into it

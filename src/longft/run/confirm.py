@@ -99,7 +99,9 @@ def run_overlay(seq: int, iterations: int, global_batch: int, data_source: str,
                 vram_limit_gib: float | None) -> dict:
     """The params overlay of one confirmation run (see the module docstring)."""
     over: dict = {"data": {"max_seq_length": seq},
-                  "train": {"iterations": iterations, "warmup_iterations": 1 if iterations > 1 else 0},
+                  # steps, not the user's train.epochs (exactly one of the two may be set)
+                  "train": {"iterations": iterations, "epochs": None,
+                            "warmup_iterations": 1 if iterations > 1 else 0},
                   "output": {"save_checkpoint": False, "export": False, "checkpoint_every": 0,
                              "resume": False}}
     if data_source in ("synthetic", "random"):   # one sample per row; files keep their read cap
