@@ -75,8 +75,11 @@ def main() -> int:
         cmd = command(cfg, device, worker, port)
         # Before any rank starts and before anything is deleted: can the outputs be written, does
         # the host RAM suffice?
-        writable({"run directory": Path(a.run), "checkpoint directory": Path(a.checkpoints),
-                  "export directory": Path(a.export)}, beside=("export directory",))
+        # (checkpoints only when this run writes them; export/ is replaced or emptied either way)
+        outs = {"run directory": Path(a.run), "export directory": Path(a.export)}
+        if "--checkpoints" in worker:
+            outs["checkpoint directory"] = Path(a.checkpoints)
+        writable(outs, beside=("export directory",))
         note = host_memory(cfg, plan)
         if note:
             print(f"train: {note}")

@@ -92,6 +92,7 @@ def _run_worker(monkeypatch, plan_files: Path, run_dir: Path, error: BaseExcepti
                               offloader=None, batches=iter(()), pad_id=-1, fingerprint="fp",
                               start=0, rank=0, world=1, cuda=False)
     monkeypatch.setattr(trainer, "setup", lambda *a, **k: session)
+    monkeypatch.setattr(trainer, "PreparedDataset", lambda d: [None] * 4)  # 4 rows, none read
     monkeypatch.setattr(trainer, "environment", lambda *a, **k: {})
 
     def step(*a, **k):

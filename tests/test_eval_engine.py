@@ -165,3 +165,29 @@ def test_samples_json_is_what_the_evaluator_reads(prepared):
     out, _ = prepared
     samples = json.loads((out / "eval" / "samples.json").read_text())["samples"]
     assert len(samples) == 5 and all(s["cite"] for s in samples)
+
+
+def test_gemma2_final_logit_softcap_is_applied_like_the_model_does():
+    """Gemma 2 caps its final logits (final_logit_softcapping 30 by default): the eval loss is the
+    model's own loss with the cap, not the uncapped one (issue 20 made Gemma 2 trainable; its
+    default eval must not refuse it)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                       final_logit_softcapping=2.0, attn_implementation="eager")
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():   # weights large enough that the cap matters
+        model.lm_head.weight.mul_(50)
+    ids = torch.randint(0, 97, (1, 24))
+    captured = []
+    h = model.get_decoder().register_forward_hook(lambda m, a, o: captured.append(o[0]))
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss
+    h.remove()
+    sums, counts, _ = _labelled_loss(captured[0], ids, model)
+    assert float(sums[0] / counts[0]) == pytest.approx(float(want), rel=1e-5)
+    model.config.final_logit_softcapping = None          # without the cap: a different loss
+    sums2, _, _ = _labelled_loss(captured[0], ids, model)
+    assert float(sums2[0] / counts[0]) != pytest.approx(float(want), rel=1e-3)

@@ -108,7 +108,7 @@ def test_a_small_file_keeps_nine_tenths_for_training_and_says_so(tmp_path, capsy
                               "num_samples": None, "eval_samples": 32}})
     stats = prepare(cfg, tmp_path / "a")
     assert stats["eval"]["samples"] == 2 and stats["samples"] == 23
-    assert "held out 2 of 25 samples for evaluation, not data.eval_samples 32" in \
+    assert "held out 2 of 25 records for evaluation, not data.eval_samples 32" in \
         capsys.readouterr().out
     assert stats["eval"]["note"].startswith("held out 2 of 25")
     stats = prepare(from_dict({"data": {"source": "jsonl", "path": str(jsonl(tmp_path, 5)),
@@ -143,3 +143,25 @@ def test_unreadable_samples_json_names_the_fix(tmp_path):
     (tmp_path / "p" / "eval" / "samples.json").write_text("{")
     with pytest.raises(DataError, match="unreadable samples.json.*dvc repro prepare"):
         held_out(tmp_path / "p")
+
+
+def test_pieces_of_a_split_text_record_stay_on_one_side():
+    """A long text record split over rows (data.split_text) is held out whole or trained whole:
+    no held-out piece continues a document the model trained on."""
+    import numpy as np
+
+    from longft.data.split import split_samples
+    from longft.data.tokenize import Sample
+
+    samples, origin = [], []
+    for rec in range(40):
+        for piece in range(rec % 4 + 1):       # records of 1 to 4 pieces
+            ids = np.arange(8) + 100 * rec + 10 * piece
+            samples.append(Sample(ids, ids.copy(), f"rec{rec} part {piece}"))
+            origin.append(rec)
+    train, held, note = split_samples(samples, 4, 1234, origin)
+    rec_of = lambda s: s.where.split()[0]  # noqa: E731
+    assert note is None and held
+    assert {rec_of(s) for s in held}.isdisjoint({rec_of(s) for s in train})
+    assert len({rec_of(s) for s in held}) == 4            # 4 records, with all their pieces
+    assert len(train) + len(held) == len(samples)

@@ -2,28 +2,22 @@
 when only `output` changed, and used to delete export/ first) leaves the last finetuned model in
 export/, loadable; `dvc status` still says train must run (issue 20)."""
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from longft.config.params import Config, merge, to_dict
+from venv_shell import run
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
 def sh(*cmd, cwd, check=True):
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` = this venv
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    if check and p.returncode:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
+    return run(*cmd, cwd=cwd, check=check)
 
 
 def write_params(root, **over):

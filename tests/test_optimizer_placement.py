@@ -253,3 +253,17 @@ def test_patch_stage_refuses_nvme_before_training(tmp_path, monkeypatch):
     monkeypatch.setattr(nvme, "libaio_problem", lambda: ["libaio-dev missing"])
     with pytest.raises(PlanError, match="libaio-dev missing"):
         make_plan(ok, CPU)
+
+
+def test_each_nvme_run_swaps_into_its_own_directory_and_stale_ones_are_named(tmp_path):
+    ds = ds_config.build(from_dict({"zero": {"offload_optimizer": "nvme", "nvme_path": str(tmp_path)}}),
+                         "bf16", 64)
+    a, b = json.loads(json.dumps(ds)), json.loads(json.dumps(ds))
+    da, db = ds_config.nvme_run_dir(a, "29500"), ds_config.nvme_run_dir(b, "29501")
+    assert da != db and da == a["zero_optimization"]["offload_optimizer"]["nvme_path"]
+    assert da.startswith(str(tmp_path / nvme.SWAP_DIR))
+    assert ds_config.nvme_run_dir(ds_config.build(from_dict({}), "bf16", 64), "1") is None
+    Path(da).mkdir(parents=True)
+    (Path(da) / "states.swp").write_bytes(b"x" * 4096)     # left by a killed run
+    (msg,) = nvme.path_problems(str(tmp_path), 2**60)
+    assert "swap files of earlier longft runs" in msg and "run-*" in msg

@@ -3,27 +3,22 @@ change that re-runs only the stages that read it, and `dvc metrics diff` showing
 The same run is the ZeRO-3 + CPU-offload training whose loss must fall on the synthetic task."""
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from longft.config.params import Config, merge, to_dict
+from venv_shell import run
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
 def sh(*cmd, cwd, check=True):
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` = this venv
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    if check and p.returncode:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    p = run(*cmd, cwd=cwd, check=check)
     return p.stdout + p.stderr
 
 

@@ -4,10 +4,8 @@ stage refuses to run while one is not tracked. The DVC part runs the real `dvc` 
 repository: editing the data file makes `dvc status` report prepare changed."""
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import yaml
 
 from longft.config.params import NOTHING_TO_TRACK, Config, ConfigError, from_dict, merge, to_dict
 from longft.data.tracked import check_tracked, untracked
+from venv_shell import run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,11 +59,7 @@ def test_a_local_file_or_dir_must_be_covered_by_its_track_entry(tmp_path, monkey
 
 
 def sh(*cmd, cwd, check=True):
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` = this venv
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    if check and p.returncode:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    p = run(*cmd, cwd=cwd, check=check, timeout=600)
     return p.returncode, p.stdout + p.stderr
 
 

@@ -50,14 +50,16 @@ class _RowTally:
 
 
 def _tokenize(records, tok, dc, bad: BadRecords, total: int | None, desc: str = "tokenize",
-              score: list | None = None) -> tuple[list[Sample], list[int], int, int, int]:
+              score: list | None = None, origin: list | None = None
+              ) -> tuple[list[Sample], list[int], int, int, int]:
     """(usable samples, every sample's length before fitting, truncated, untrainable, text
     records split); with `score` a list, the retrieval fields of each usable sample are appended
-    to it."""
+    to it; with `origin` a list, the index of the record each usable sample came from (a split
+    text record gives several)."""
     samples, lengths, truncated, untrainable, split = [], [], 0, 0, 0
     # a text record that will be cut is tokenized only as far as the cut (tokenize.text_ids)
     bound = dc.max_seq_length if dc.truncate and not dc.split_text else None
-    for rec in tqdm(records, total=total, desc=desc, unit="rec", disable=None):
+    for n_rec, rec in enumerate(tqdm(records, total=total, desc=desc, unit="rec", disable=None)):
         try:
             s = tokenize_record(rec, tok, dc.train_on_prompt, max_tokens=bound)
         except DataError as e:
@@ -74,6 +76,8 @@ def _tokenize(records, tok, dc, bad: BadRecords, total: int | None, desc: str = 
                 untrainable += 1
                 continue
             samples.append(fitted)
+            if origin is not None:
+                origin.append(n_rec)
             if score is not None:
                 score.append(scoring_fields(rec, fitted, tok))
     return samples, lengths, truncated, untrainable, split
@@ -90,8 +94,9 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict
         reader = None
     else:
         records = reader = RecordReader(dc, bad)
+    origin: list[int] = []
     samples, lengths, truncated, untrainable, split = _tokenize(records, tok, dc, bad,
-                                                                dc.num_samples)
+                                                                dc.num_samples, origin=origin)
     stats.update(
         format=reader.format if reader else "messages",
         records=reader.records_read if reader else dc.num_samples,
@@ -112,7 +117,8 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict
         held, *_ = _tokenize(held_records, tok, dc, BadRecords("error"), dc.eval_samples,
                              "held-out", score)
     else:
-        samples, held, note = split_samples(samples, dc.eval_samples, cfg.train.seed)
+        # by record: every piece of a split text record on the same side
+        samples, held, note = split_samples(samples, dc.eval_samples, cfg.train.seed, origin)
         score = [None] * len(held)
         stats["samples"] = len(samples)
         if note:

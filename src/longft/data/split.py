@@ -46,21 +46,26 @@ MAX_EVAL_SHARE = 0.1
 """The largest share of a file's usable samples held out for evaluation."""
 
 
-def split_samples(samples: Sequence[Sample], k: int, seed: int
+def split_samples(samples: Sequence[Sample], k: int, seed: int,
+                  origin: Sequence[int] | None = None
                   ) -> tuple[list[Sample], list[Sample], str | None]:
     """(train, held-out samples, a note when fewer than k are held out): min(k, a tenth of the
-    samples) held out by `pick_eval`, both lists in their original order."""
-    n = len(samples)
+    records) held out by `pick_eval`, both lists in their original order. `origin`: the record
+    each sample came from (None: one record each); all pieces of a record (a text record split
+    over rows) go to the same side, so no held-out text continues a trained one."""
+    origin = list(range(len(samples))) if origin is None else list(origin)
+    records = sorted(set(origin))
+    n = len(records)
     k_eff = min(k, int(n * MAX_EVAL_SHARE))
     note = None
     if k_eff < k:
-        note = (f"held out {k_eff} of {n} samples for evaluation, not data.eval_samples {k}: at "
-                f"most a tenth of a file's samples is held out, so training keeps 90 %"
+        note = (f"held out {k_eff} of {n} records for evaluation, not data.eval_samples {k}: at "
+                f"most a tenth of a file's records is held out, so training keeps 90 %"
                 + ("" if k_eff else " (no eval loss for this run)")
                 + "; give more records or lower data.eval_samples")
-    held = set(pick_eval(n, k_eff, seed))
-    return ([s for i, s in enumerate(samples) if i not in held],
-            [s for i, s in enumerate(samples) if i in held], note)
+    held = {records[i] for i in pick_eval(n, k_eff, seed)}
+    return ([s for s, r in zip(samples, origin) if r not in held],
+            [s for s, r in zip(samples, origin) if r in held], note)
 
 
 def _token_span(enc, start_char: int, end_char: int) -> tuple[int, int] | None:

@@ -132,8 +132,10 @@ def complete_steps(ckpt_dir: Path, fp: str) -> list[int]:
 
 
 def _files(d: Path) -> list[str]:
-    """The files of checkpoint folder d (relative, sorted), COMPLETE left out."""
-    return sorted(str(f.relative_to(d)) for f in d.rglob("*") if f.is_file() and f.name != MARKER)
+    """The files of checkpoint folder d (relative, sorted), its own COMPLETE left out (a file of
+    that name deeper down is hashed like any other)."""
+    return sorted(str(f.relative_to(d)) for f in d.rglob("*")
+                  if f.is_file() and f.relative_to(d) != Path(MARKER))
 
 
 def _sha256(f: Path) -> str:

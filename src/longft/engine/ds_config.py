@@ -49,7 +49,22 @@ def nvme_dir(cfg: Config) -> str:
     directory under zero.nvme_path, so a shared path keeps other files apart."""
     import os
 
-    return os.path.join(cfg.zero.nvme_path, "longft-optimizer")
+    from longft.hardware.nvme import SWAP_DIR
+
+    return os.path.join(cfg.zero.nvme_path, SWAP_DIR)
+
+
+def nvme_run_dir(ds: dict, run_key: str) -> str | None:
+    """offload_optimizer nvme: point this run's DeepSpeed config at a swap directory of its own,
+    run-<run_key> below nvme_dir (the ranks of one run share a key: the rendezvous port), so two
+    runs on one nvme_path never share swap files. Returns it; None without NVMe."""
+    import os
+
+    off = ds.get("zero_optimization", {}).get("offload_optimizer", {})
+    if off.get("device") != "nvme":
+        return None
+    off["nvme_path"] = os.path.join(off["nvme_path"], f"run-{run_key}")
+    return off["nvme_path"]
 
 
 def zero_section(cfg: Config, hidden_size: int) -> dict:

@@ -77,9 +77,6 @@ class Evaluator:
                 f"the held-out eval computes the loss from lm_head's weight, but lm_head is a "
                 f"{type(head).__name__} (lora.target_modules or modules_to_save wrap it); leave "
                 f"lm_head out of LoRA, or set data.eval_samples: 0")
-        if getattr(_causal_lm(model).config, "final_logit_softcapping", None):
-            raise EvalError("the held-out eval does not apply final_logit_softcapping (Gemma-2 "
-                            "style models); set data.eval_samples: 0")
         data, samples = found
         pad = data.meta.get("pad_token_id")
         return cls(data, samples, rank, world, micro, -1 if pad is None else int(pad), packed,
@@ -221,6 +218,8 @@ def _labelled_loss(hidden, labels, lm) -> tuple[Any, Any, Any]:
     import torch.nn.functional as F
 
     head = lm.get_output_embeddings()
+    # Gemma 2 caps its final logits (cap x tanh(logits / cap)) before the loss: so does the eval
+    cap = getattr(lm.config, "final_logit_softcapping", None)
     rows, seq = labels.shape
     target = torch.full_like(labels, -100)
     target[:, :-1] = labels[:, 1:]
@@ -235,6 +234,8 @@ def _labelled_loss(hidden, labels, lm) -> tuple[Any, Any, Any]:
         for start in range(0, len(r_idx), chunk):
             r, t = r_idx[start:start + chunk], t_idx[start:start + chunk]
             logits = F.linear(hidden[r, t], weight, bias).float()
+            if cap:
+                logits = cap * torch.tanh(logits / cap)
             losses = F.cross_entropy(logits, target[r, t], reduction="none")
             sums.index_add_(0, r, losses.double())
             pred[r, t] = logits.argmax(dim=-1)

@@ -11,6 +11,7 @@ import itertools
 import math
 import os
 import platform
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -463,6 +464,8 @@ def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
     import torch.distributed as dist
 
     live.check_available(cfg.output.tensorboard)  # before any model work
+    # NVMe swap files of this run only (removed at the end; the checkpoints hold the states)
+    swap = ds_config.nvme_run_dir(ds, os.environ.get("MASTER_PORT") or str(os.getppid()))
     rows = len(PreparedDataset(data_dir))
     cfg = with_steps(cfg, rows)  # train.epochs -> train.iterations, before the LR schedule is made
     s = setup(cfg, plan, ds, data_dir, ckpt_dir)
@@ -481,3 +484,5 @@ def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
     finally:
         s.live.close()
     dist.barrier()
+    if swap and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        shutil.rmtree(swap, ignore_errors=True)

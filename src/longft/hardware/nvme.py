@@ -50,10 +50,32 @@ def path_problems(path: str | None, need_bytes: int) -> list[str]:
                 "this user can write, or fix its permissions"]
     free = shutil.disk_usage(path).free
     if need_bytes > free:
+        stale = _stale_swap_bytes(path)
+        left = (f" ({stale / GIB:.1f} GiB of it are swap files of earlier longft runs that did not "
+                f"finish, under {os.path.join(path, SWAP_DIR)}/run-*: delete those no run uses)"
+                if stale else "")
         return [f"zero.nvme_path: the optimizer states need {need_bytes / GIB:.1f} GiB and {path} has "
-                f"{free / GIB:.1f} GiB free; free space, choose a larger disk, or halve them with "
-                "zero.optimizer_states: bf16"]
+                f"{free / GIB:.1f} GiB free{left}; free space, choose a larger disk, or halve them "
+                "with zero.optimizer_states: bf16"]
     return []
+
+
+SWAP_DIR = "longft-optimizer"
+"""The directory below zero.nvme_path that longft's runs swap into, one run-<port> each
+(engine/ds_config.py: nvme_dir, nvme_run_dir); a finished run removes its own."""
+
+
+def _stale_swap_bytes(path: str) -> int:
+    """Bytes of the run-* swap directories left under path (killed runs)."""
+    root = os.path.join(path, SWAP_DIR)
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total
 
 
 def problems(path: str | None, need_bytes: int) -> list[str]:

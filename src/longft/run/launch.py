@@ -115,6 +115,7 @@ class _Tee:
         else:
             self.fd, self.child_fd = os.pipe()
         self.tail = b""
+        self.closed = False
         self.thread = threading.Thread(target=self._pump, name="longft-stderr", daemon=True)
 
     def started(self) -> None:
@@ -130,6 +131,8 @@ class _Tee:
                 break
             if not chunk:
                 break
+            if self.closed:   # finish() gave up on us: stop reading, the fd is ours to close
+                break
             self.tail = (self.tail + chunk)[-65536:]
             try:
                 if self.out is not None:
@@ -143,7 +146,11 @@ class _Tee:
 
     def finish(self) -> bytes:
         self.thread.join(timeout=10)  # a straggler rank may hold the pipe: do not hang on it
-        os.close(self.fd)
+        self.closed = True
+        if not self.thread.is_alive():
+            os.close(self.fd)
+        # else the pump still blocks in os.read on a pipe a straggler holds: the fd stays open (a
+        # closed number could be reused by the next launch's tee while the old thread reads it)
         return self.tail
 
 
