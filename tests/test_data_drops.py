@@ -113,3 +113,28 @@ def test_a_long_text_record_becomes_several_documents_with_all_its_tokens(tmp_pa
     stats = prepare(cfg_for(path, num_samples=None, split_text=False), tmp_path / "cut")
     assert stats["split_text_records"] == 0 and stats["truncated_samples"] == 1
     assert stats["samples"] == 2
+
+
+def test_a_capped_parquet_file_is_counted_from_its_footer_not_read(tmp_path, monkeypatch):
+    """The records a cap leaves out of a parquet file are counted from its metadata: reading
+    stops at the cap (a cap of 10 on a large file costs 10 records, not the file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from longft.data import records as rec_mod
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(chats(1000)), path, row_group_size=100)
+    read = []
+    real = rec_mod._parquet
+
+    def counting(p):
+        for item in real(p):
+            read.append(item[0])
+            yield item
+
+    monkeypatch.setattr(rec_mod, "_parquet", counting)
+    stats = prepare(from_dict({"data": {"source": "parquet", "path": str(path), "max_seq_length": 256,
+                                        "num_samples": 10, **NO_EVAL}}), tmp_path / "out")
+    assert (stats["records"], stats["records_total"], stats["records_capped"]) == (10, 1000, 990)
+    assert len(read) == 11          # the cap's 10 and the one that found the cap reached

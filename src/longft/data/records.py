@@ -150,6 +150,12 @@ def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _hf(name: str, split: str) -> Iterator[tuple[str, Any]]:
+    for i, obj in enumerate(_hf_dataset(name, split)):
+        yield f"{name} row {i}", obj
+
+
+def _hf_dataset(name: str, split: str):
+    """The datasets.Dataset of `name` (a save_to_disk directory, a local dataset or a hub name)."""
     import datasets
 
     p = Path(name)
@@ -169,8 +175,19 @@ def _hf(name: str, split: str) -> Iterator[tuple[str, Any]]:
                 f"{str(e).splitlines()[0] if str(e) else ''}); give a directory written by "
                 f"Dataset.save_to_disk, a local dataset directory, or a name reachable from this "
                 f"machine") from None
-    for i, obj in enumerate(ds):
-        yield f"{name} row {i}", obj
+    return ds
+
+
+def _known_total(dc: DataConfig) -> int | None:
+    """How many records the source holds, from its metadata (parquet footer, dataset length)
+    without reading them; None where only reading tells (jsonl: its lines are counted unparsed)."""
+    if dc.source == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(dc.path).metadata.num_rows
+    if dc.source == "hf":
+        return len(_hf_dataset(dc.path, dc.split))
+    return None
 
 
 def _raw(dc: DataConfig) -> Iterator[tuple[str, Any]]:
@@ -217,7 +234,9 @@ class RecordReader:
         raw = iter(_raw(self.dc))
         for where, obj in raw:
             if cap is not None and yielded >= cap:
-                self.records_capped = 1 + sum(1 for _ in raw)  # counted, not parsed
+                total = _known_total(self.dc)   # parquet / hf: from metadata, nothing read
+                self.records_capped = (total - self.records_read if total is not None
+                                       else 1 + sum(1 for _ in raw))  # jsonl: counted, not parsed
                 break
             self.records_read += 1
             try:
