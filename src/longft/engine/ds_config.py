@@ -89,7 +89,8 @@ def build(cfg: Config, precision: str, hidden_size: int) -> dict:
     ds = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        # with hardware.sequence_parallel N every loaded row is N micro-steps (one per shard set)
+        "gradient_accumulation_steps": cfg.grad_accum_steps * cfg.hardware.sequence_parallel,
         "gradient_clipping": t.max_grad_norm,
         "steps_per_print": 10**9,  # longft logs itself, on rank 0
         "wall_clock_breakdown": False,
