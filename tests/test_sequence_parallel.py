@@ -74,9 +74,19 @@ def test_ds_config_counts_every_slice_as_a_micro_step():
     ds = ds_config.build(cfg, "bf16", 64)
     # 8 rows a step over 2 data-parallel groups of 2: each rank loads 2 rows, trains 4 slices
     assert cfg.data_parallel_size == 2 and cfg.grad_accum_steps == 2
-    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_accumulation_steps"] == 4 and ds["sequence_parallel_size"] == 2
+    assert ds["zero_optimization"]["reduce_scatter"] is True  # the averaging the loss matches
+    assert "sequence_parallel_size" not in ds_config.build(sp_cfg(1, 2), "bf16", 64)
     assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"]
                                       * ds["gradient_accumulation_steps"] * cfg.data_parallel_size)
+
+
+def test_host_grad_buffer_auto_is_full_as_a_row_is_several_micro_steps():
+    one_row_a_rank = {"hardware": {"num_gpus": 2}, "train": {"global_batch_size": 2},
+                      "zero": {"offload_optimizer": "cpu"}}
+    assert resolve(from_dict(one_row_a_rank), H200x8, "llama")["host_grad_buffer"].value == "shared"
+    sp = from_dict({**one_row_a_rank, "hardware": {"num_gpus": 2, "sequence_parallel": 2}})
+    assert resolve(sp, H200x8, "llama")["host_grad_buffer"].value == "full"
 
 
 def test_slice_counts_add_up_to_the_rows():

@@ -10,10 +10,11 @@ models (deepspeed.runtime.sequence_parallel.ulysses_sp, the ALST recipe), not a 
   of them (so a loaded row is N micro-steps; ds_config's gradient accumulation counts them).
   Labels arrive pre-shifted as `shift_labels` (the next token of the whole row, also across the
   slice edges).
-- `SequenceParallel.forward` runs one micro-step: each rank's loss is the sum of its slice's token
-  losses divided by the token count of the *whole* row (an all-reduce of the counts), so the
-  gradients that ZeRO adds over the group are exactly those of the row's mean loss; the loss
-  reported is that mean (all-reduced).
+- `SequenceParallel.forward` runs one micro-step: each rank's part is the sum of its slice's token
+  losses divided by the token count of the *whole* row (an all-reduce of the counts); the parts
+  are added by a differentiable all-reduce (ALST's loss aggregation), so every rank
+  backpropagates the row's exact mean loss, and ZeRO-3's reduce-scatter (which divides by the
+  whole world) leaves exactly the gradients of one rank training the whole row.
 - Packed rows: after the all-to-all each rank holds the whole row (heads / N of the heads); the
   position ids DeepSpeed all-gathers there give the document boundaries, from which longft's
   per-document attention (model/packed_attention.py) or flash-attn's variable-length path (which
@@ -109,10 +110,11 @@ class SequenceParallel:
         return tokens, share
 
     def forward(self, engine, batch: dict):
-        """(the loss to backpropagate: this slice's summed token losses / the whole row's count;
-        the whole row's mean loss, a float) for one micro-step."""
+        """(the loss to backpropagate, the whole row's mean loss as a float) for one micro-step:
+        each rank's part is its slice's summed token losses / the whole row's token count."""
         import torch
         import torch.distributed as dist
+        import torch.distributed.nn.functional  # noqa: F401
 
         b = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()
              if torch.is_tensor(v)}
@@ -120,8 +122,13 @@ class SequenceParallel:
         count = (labels != -100).sum().to(torch.int64).reshape(1)
         dist.all_reduce(count, group=self.mpu.get_sequence_parallel_group())
         count = count.clamp(min=1)
-        loss = engine(input_ids=b["input_ids"], labels=labels, shift_labels=labels,
+        part = engine(input_ids=b["input_ids"], labels=labels, shift_labels=labels,
                       position_ids=b["position_ids"], num_items_in_batch=count[0]).loss
-        whole = loss.detach().float().clone().reshape(1)
-        dist.all_reduce(whole, group=self.mpu.get_sequence_parallel_group())
-        return loss, float(whole.item())
+        # The row's mean on every rank, through a differentiable all-reduce (ALST's weighted
+        # loss aggregation): its backward hands each rank N x its slice's gradient, which is what
+        # ZeRO-3 expects: it reduce-scatters with a pre-division by the whole world
+        # (deepspeed/runtime/comm/coalesced_collectives.py reduce_scatter_coalesced, "pre-divide";
+        # stage3.py __avg_scatter_grads), not by the data-parallel world.
+        loss = torch.distributed.nn.functional.all_reduce(
+            part, group=self.mpu.get_sequence_parallel_group())
+        return loss, float(loss.detach().float().item())

@@ -314,7 +314,9 @@ def resolve_checkpointing(cfg: Config, device: str) -> tuple[Choice, list[str]]:
 def resolve_host_grad_buffer(cfg: Config, precision: str) -> tuple[Choice, list[str]]:
     """auto: shared where one host slot is exact (why_not_shared_grad_buffer), else full."""
     hb, z = cfg.zero.host_grad_buffer, cfg.zero
-    why_not = why_not_shared_grad_buffer(z.stage, z.offload_optimizer, cfg.grad_accum_steps,
+    # micro-steps of a step: with sequence_parallel N each loaded row is N of them
+    micro_steps = cfg.grad_accum_steps * cfg.hardware.sequence_parallel
+    why_not = why_not_shared_grad_buffer(z.stage, z.offload_optimizer, micro_steps,
                                          precision)
     if hb == "auto":
         return Choice("full" if why_not else "shared",
