@@ -10,6 +10,8 @@ import pytest
 import yaml
 
 from longft.config.params import Config, merge, to_dict
+from longft.data.store import PreparedDataset
+from longft.model.packed_attention import document_lengths
 from longft.run.pipeline import run_all
 
 pytestmark = pytest.mark.slow
@@ -26,30 +28,56 @@ def steps(work, rank: int = 0) -> list[dict]:
     return [r for r in rows if r["type"] == "iter"]
 
 
-def run(tmp_path, name: str, gpus: int, sp: int, data: dict) -> list[dict]:
+def run(tmp_path, name: str, gpus: int, sp: int, data: dict, device: str = "cpu",
+        **over) -> list[dict]:
     work = tmp_path / name
     work.mkdir()
     params = merge(to_dict(Config()), {
-        "hardware": {"device": "cpu", "num_gpus": gpus, "sequence_parallel": sp,
+        "hardware": {"device": device, "num_gpus": gpus, "sequence_parallel": sp,
                      "master_port": unused_port()},
         "precision": "fp32",
         "data": {"num_samples": 8, "eval_samples": 0, "max_seq_length": 2048, **data},
         "train": {"iterations": 3, "warmup_iterations": 1, "global_batch_size": 2},
         "output": {"save_checkpoint": False, "export": False, "checkpoint_every": 0}})
+    params = merge(params, over)
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     out = run_all(work / "params.yaml", work, ("prepare", "patch", "train"))
     return steps(work), out
 
 
-@pytest.mark.parametrize("data", [{"pack": False}, {"pack": True, "synthetic_lengths": "mixed"}],
-                         ids=["one-document-a-row", "packed"])
-def test_two_ranks_of_one_sequence_match_one_rank(tmp_path, data):
-    one, _ = run(tmp_path, "one", 1, 1, data)
-    two, out = run(tmp_path, "two", 2, 2, data)
+PACKED = {"pack": True, "synthetic_lengths": "mixed", "max_seq_length": 4096, "num_samples": 12}
+"""7 packed 4096-token rows, most holding 2 documents, one of them across the slice edge."""
+
+
+@pytest.mark.parametrize("data, over", [
+    ({"pack": False}, {}),
+    (PACKED, {}),
+    ({"pack": False}, {"kernels": {"tiled_mlp": "on", "tiled_mlp_tokens": 256}}),
+], ids=["one-document-a-row", "packed", "tiled-mlp"])
+def test_two_ranks_of_one_sequence_match_one_rank(tmp_path, data, over):
+    compare(tmp_path, data, "cpu", over)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available() or
+                    __import__("torch").cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_of_one_sequence_match_one_gpu_with_every_memory_technique(tmp_path):
+    """ZeRO-3 offload, checkpoint offload, the tiled MLP and Liger's fused loss, packed rows."""
+    compare(tmp_path, PACKED, "cuda", {
+        "kernels": {"liger": "on", "tiled_mlp": "on", "tiled_mlp_tokens": 1024,
+                    "attention": "sdpa"},
+        "checkpointing": {"mode": "cpu_offload"}, "zero": {"offload_param": "cpu"}})
+
+
+def compare(tmp_path, data, device, over):
+    one, _ = run(tmp_path, "one", 1, 1, data, device, **over)
+    two, out = run(tmp_path, "two", 2, 2, data, device, **over)
     plan = json.loads((tmp_path / "two" / "artifacts" / "plan.json").read_text())
     if data["pack"]:
         assert plan["resolved"]["packed_attention"]["value"] == "per_document"
-        assert max(r["doc_sq_tokens"] for r in one) < 2048 * 2048  # several documents a row
+        rows = PreparedDataset(tmp_path / "two" / "data")
+        edges = [document_lengths(rows[i]["position_ids"][None])[0] for i in range(len(rows))]
+        assert any(2048 < e < 4096 for e in edges)  # a document crosses the two ranks' slices
     assert len(one) == len(two) == 3
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), (one, two)
