@@ -120,3 +120,28 @@ def test_estimate_divides_activations_and_adds_the_all_to_all():
                                                        ranks_per_node=16, world_size=16))[
         "buffers"] == 2 * x * d * (32 + 2 * 16)
     assert "sequence_parallel 3" in " ".join(dataclasses.replace(base, sequence_parallel=3).problems())
+
+
+def test_after_the_all_to_all_documents_come_from_the_gathered_position_ids():
+    """The attention Ulysses calls on the whole row gets no per-slice boundaries; longft's packed
+    attention then reads them from the row's position ids: documents stay apart."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from longft.engine.sequence_parallel import _positions_give_documents
+    from longft.model.packed_attention import make_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 1
+    q, k, v = (torch.randn(1, 2, 10, 8) for _ in range(3))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])  # documents of 6 and 4 tokens
+    fwd = _positions_give_documents(make_forward("per_document"))
+    # stale boundaries of one slice (what the adapter's rank would have had) are dropped
+    out, _ = fwd(module, q, k, v, None, position_ids=pos, cu_seq_lens_q=torch.tensor([0, 5]),
+                 max_length_q=5)
+    alone = [sdpa_attention_forward(module, q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], None,
+                                    is_causal=True)[0] for a, b in ((0, 6), (6, 10))]
+    assert torch.allclose(out, torch.cat(alone, dim=1), atol=1e-6)
+    whole, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True)
+    assert not torch.allclose(out[:, 6:], whole[:, 6:], atol=1e-3)  # a leak would show here
