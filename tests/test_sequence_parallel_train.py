@@ -23,9 +23,12 @@ def unused_port() -> int:
         return s.getsockname()[1]
 
 
+def rows(work, rank: int = 0) -> list[dict]:
+    return [json.loads(x) for x in (work / "run" / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
 def steps(work, rank: int = 0) -> list[dict]:
-    rows = [json.loads(x) for x in (work / "run" / f"rank{rank}.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["type"] == "iter"]
+    return [r for r in rows(work, rank) if r["type"] == "iter"]
 
 
 def run(tmp_path, name: str, gpus: int, sp: int, data: dict, device: str = "cpu",
@@ -50,7 +53,7 @@ PACKED = {"pack": True, "synthetic_lengths": "mixed", "max_seq_length": 4096, "n
 
 
 @pytest.mark.parametrize("data, over", [
-    ({"pack": False}, {}),
+    ({"pack": False, "eval_samples": 4}, {}),  # and the held-out eval (no all-to-all there)
     (PACKED, {}),
     ({"pack": False}, {"kernels": {"tiled_mlp": "on", "tiled_mlp_tokens": 256}}),
 ], ids=["one-document-a-row", "packed", "tiled-mlp"])
@@ -75,8 +78,9 @@ def compare(tmp_path, data, device, over):
     plan = json.loads((tmp_path / "two" / "artifacts" / "plan.json").read_text())
     if data["pack"]:
         assert plan["resolved"]["packed_attention"]["value"] == "per_document"
-        rows = PreparedDataset(tmp_path / "two" / "data")
-        edges = [document_lengths(rows[i]["position_ids"][None])[0] for i in range(len(rows))]
+        data_rows = PreparedDataset(tmp_path / "two" / "data")
+        edges = [document_lengths(data_rows[i]["position_ids"][None])[0]
+                 for i in range(len(data_rows))]
         assert any(2048 < e < 4096 for e in edges)  # a document crosses the two ranks' slices
     assert len(one) == len(two) == 3
     for a, b in zip(one, two):
@@ -88,3 +92,7 @@ def compare(tmp_path, data, device, over):
         assert b["tokens"] + c["tokens"] == a["tokens"]
         assert b["doc_sq_tokens"] + c["doc_sq_tokens"] == a["doc_sq_tokens"]
         assert c["loss"] == b["loss"]
+    if data.get("eval_samples"):
+        evals = [[r for r in rows(tmp_path / w) if r["type"] == "eval"] for w in ("one", "two")]
+        assert len(evals[0]) == len(evals[1]) == 1
+        assert evals[1][0]["loss"] == pytest.approx(evals[0][0]["loss"], rel=1e-5)
