@@ -12,7 +12,7 @@ import yaml
 from longft.config.params import Config, merge, to_dict
 from longft.data.store import PreparedDataset
 from longft.model.packed_attention import document_lengths
-from longft.run.pipeline import run_all
+from longft.run.pipeline import run_all, run_stage, stage_commands
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +96,18 @@ def compare(tmp_path, data, device, over):
         evals = [[r for r in rows(tmp_path / w) if r["type"] == "eval"] for w in ("one", "two")]
         assert len(evals[0]) == len(evals[1]) == 1
         assert evals[1][0]["loss"] == pytest.approx(evals[0][0]["loss"], rel=1e-5)
+
+
+def test_a_sequence_parallel_run_resumes_from_its_checkpoint(tmp_path):
+    """DeepSpeed checkpoints under the Ulysses mpu load back, and the data stream (the adapter
+    over the resumed position) picks up where the step left off: the re-run of steps 3-4 from
+    the step-2 checkpoint logs the losses of the uninterrupted run."""
+    first, _ = run(tmp_path, "two", 2, 2, {"pack": False}, train={"iterations": 4},
+                   output={"checkpoint_every": 2, "keep_last": 2})
+    work = tmp_path / "two"
+    again = run_stage("train", stage_commands(work / "params.yaml", work)["train"])
+    assert f"resumed from {work / 'checkpoints'}/step-2" in again
+    resumed = steps(work)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(first, resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (first, resumed)
