@@ -71,11 +71,16 @@ def _resolve(cfg, hw, model_type: str) -> tuple[dict, list[str]]:
     if cfg.hardware.device == "cpu":
         notes.append("hardware.device is cpu: estimated as the same run on a GPU")
         c = dataclasses.replace(c, hardware=dataclasses.replace(c.hardware, device="auto"))
+    # a softcapping model (Gemma 2) resolves to the attention the run will take (not SDPA)
+    # hardware.sequence_parallel must divide the model's heads (refused here as in the patch stage)
+    from longft.model.architecture import architecture
     from longft.model.loading import load_model_config
     from longft.model.patches import attention_softcap
 
-    # a softcapping model (Gemma 2) resolves to the attention the run will take (not SDPA)
-    choices = resolve(c, target, model_type, attention_softcap(load_model_config(cfg.model)))
+    mc = load_model_config(cfg.model)
+    arch = architecture(mc)
+    choices = resolve(c, target, model_type, attention_softcap(mc),
+                      (arch["num_attention_heads"], arch["num_key_value_heads"]))
     return {k: ch.value for k, ch in choices.items()}, notes
 
 

@@ -128,6 +128,12 @@ class HardwareConfig:
     num_gpus: int = 1
     """Processes (GPUs) per node; on CPU the number of worker processes."""
     num_nodes: int = 1
+    sequence_parallel: int = 1
+    """N > 1: DeepSpeed Ulysses sequence parallelism. Each sequence is split over N ranks of a
+    node (N divides num_gpus and the model's attention heads); attention all-to-alls the heads so
+    each rank attends over the whole sequence with heads / N heads; the loss is the exact mean
+    over the whole sequence's tokens. Activations per GPU are about 1/N. 1 = off (each rank
+    trains its own sequences)."""
     hostfile: Optional[str] = None
     """DeepSpeed hostfile for multi-node runs (`host slots=N` lines)."""
     launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
@@ -301,6 +307,11 @@ class Config:
         return self.hardware.num_gpus * self.hardware.num_nodes
 
     @property
+    def data_parallel_size(self) -> int:
+        """Groups of ranks that train different sequences (world / hardware.sequence_parallel)."""
+        return self.world_size // self.hardware.sequence_parallel
+
+    @property
     def grad_accum_steps(self) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.world_size)
 
@@ -355,6 +366,15 @@ def _check(cfg: Config) -> list[str]:
         p.append(f"train.max_grad_norm: must be >= 0 (0 disables clipping), got {t.max_grad_norm}")
     positive("hardware.num_gpus", h.num_gpus)
     positive("hardware.num_nodes", h.num_nodes)
+    positive("hardware.sequence_parallel", h.sequence_parallel)
+    if h.sequence_parallel > 1 and h.num_gpus > 0 and h.num_gpus % h.sequence_parallel:
+        p.append(f"hardware.sequence_parallel ({h.sequence_parallel}) must divide hardware.num_gpus "
+                 f"({h.num_gpus}): a sequence is split over ranks of one node; e.g. set "
+                 f"sequence_parallel to a divisor of num_gpus")
+    if h.sequence_parallel > 1 and d.max_seq_length > 0 and d.max_seq_length % h.sequence_parallel:
+        p.append(f"data.max_seq_length ({d.max_seq_length}) must be a multiple of "
+                 f"hardware.sequence_parallel ({h.sequence_parallel}): each rank takes an equal "
+                 f"slice of the row; e.g. {d.max_seq_length // h.sequence_parallel * h.sequence_parallel}")
     if h.num_nodes > 1 and not h.hostfile:
         p.append("hardware.hostfile: required when hardware.num_nodes > 1 (lines `host slots=N`)")
     if h.vram_limit_gib is not None and h.vram_limit_gib <= 0:

@@ -104,7 +104,8 @@ def build(cfg: Config, precision: str, hidden_size: int) -> dict:
     ds = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        # with hardware.sequence_parallel N every loaded row is N micro-steps (one per shard set)
+        "gradient_accumulation_steps": cfg.grad_accum_steps * cfg.hardware.sequence_parallel,
         "gradient_clipping": t.max_grad_norm,
         "steps_per_print": 10**9,  # longft logs itself, on rank 0
         "wall_clock_breakdown": False,
@@ -121,4 +122,12 @@ def build(cfg: Config, precision: str, hidden_size: int) -> dict:
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
     }
+    if cfg.hardware.sequence_parallel > 1:
+        # read where no mpu is at hand (zero.Init under HfDeepSpeedConfig): the data-parallel world
+        # is world / N; deepspeed.initialize gets DeepSpeed's Ulysses mpu itself
+        ds["sequence_parallel_size"] = cfg.hardware.sequence_parallel
+        # the gradient path whose averaging the loss aggregation matches (sequence_parallel.py):
+        # reduce-scatter divides by the whole world; DeepSpeed's all-reduce path (reduce_scatter
+        # false) divides by the data-parallel world instead
+        ds["zero_optimization"]["reduce_scatter"] = True
     return ds

@@ -22,7 +22,7 @@ from typing import Any
 from longft.config.params import Config
 from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
-from longft.engine import checkpoint, ds_config, grad_buffer, stop
+from longft.engine import checkpoint, ds_config, grad_buffer, sequence_parallel, stop
 from longft.engine.batches import (
     PASSES_BOUNDARIES,
     SkipFirst,
@@ -83,6 +83,7 @@ def environment(cfg: Config, plan: Plan) -> dict:
         "offload_ratio": cfg.zero.offload_ratio, "optimizer_states": cfg.zero.optimizer_states,
         "sub_group_size": cfg.zero.sub_group_size, "bind_cores": cfg.hardware.bind_cores,
         "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
+        "sequence_parallel": cfg.hardware.sequence_parallel,
         "micro_batch_size": cfg.train.micro_batch_size,
         "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.data.max_seq_length,
         "model_name": cfg.model.name, "model_source": cfg.model.source,
@@ -123,23 +124,33 @@ def _build(cfg: Config, plan: Plan, ds: dict):
     return model, keep, offloader
 
 
-def _step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False) -> dict:
+def _step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False,
+          sp=None) -> dict:
     """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer.
-    `packed`: hand each micro-batch's document boundaries to the attention."""
+    `packed`: hand each micro-batch's document boundaries to the attention. `sp`: a
+    sequence_parallel.SequenceParallel (each micro-step one slice of a row; the loss logged is
+    the whole row's mean), or None."""
     fwd = bwd = 0.0
     losses, tokens, offloaded, doc_sq = [], 0, 0, 0
     skipped_before = engine.skipped_steps
     t0 = now()
     for micro in range(accum):
         cpu_batch = next(batches)
-        tokens += real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
-        b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
-        docs, sq = doc_kwargs(cpu_batch, pad_id, engine.device, packed)
-        doc_sq += sq
+        if sp is not None:
+            n, sq = sp.counts(cpu_batch, cpu_batch["input_ids"].shape[1] * sp.size)
+        else:
+            n = real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
+            b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
+            docs, sq = doc_kwargs(cpu_batch, pad_id, engine.device, packed)
+        tokens, doc_sq = tokens + n, doc_sq + sq
         a = now()
         hooks = offloader.new_step() if offloader else None
-        loss = engine(input_ids=b["input_ids"], labels=b["labels"],
-                      position_ids=b["position_ids"], **docs).loss
+        if sp is not None:
+            loss, whole = sp.forward(engine, cpu_batch)
+        else:
+            loss = engine(input_ids=b["input_ids"], labels=b["labels"],
+                          position_ids=b["position_ids"], **docs).loss
+            whole = None
         offloaded = max(offloaded, hooks.offloaded_bytes if hooks else 0)
         c = now()
         engine.backward(loss)
@@ -147,7 +158,7 @@ def _step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool
             engine.step()  # DeepSpeed only counts the micro-step here
         d = now()
         fwd, bwd = fwd + c - a, bwd + d - c
-        losses.append(loss.detach().float().item())
+        losses.append(loss.detach().float().item() if whole is None else whole)
     lr = engine.get_lr()[0]  # the lr this optimizer step applies (engine.step() advances it)
     e = now()
     engine.step()
@@ -230,6 +241,7 @@ class Session:
     rows: int = 0  # prepared training rows, for the passes over them (epoch)
     live: Any = None  # measure/live.LiveMetrics: rank 0's dvclive (and TensorBoard) curves
     evaluator: Evaluator | None = None  # the held-out split (engine/evaluate.py), None without one
+    sp: Any = None  # sequence_parallel.SequenceParallel with hardware.sequence_parallel > 1
 
 
 def with_steps(cfg: Config, rows: int) -> Config:
@@ -333,11 +345,18 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
     evaluator = Evaluator.open(data_dir, model, rank, world, cfg.train.micro_batch_size,
                                cfg.train.eval_every,
                                plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
+    n_sp, mpu, sp = cfg.hardware.sequence_parallel, None, None
+    if n_sp > 1:  # DeepSpeed's Ulysses attention and process groups (engine/sequence_parallel.py)
+        mpu = sequence_parallel.register(model, n_sp, cfg.train.micro_batch_size,
+                                         cfg.data.max_seq_length)
+        sp = sequence_parallel.SequenceParallel.of(mpu)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
-                                      lr_scheduler=ds_config.lr_scheduler(cfg))
+                                      lr_scheduler=ds_config.lr_scheduler(cfg), mpu=mpu)
     fp = checkpoint.fingerprint(cfg)
     start, batches = _resume(engine, cfg, ckpt_dir, fp, loader, sampler, rank)
+    if sp is not None:
+        batches = sp.shard(batches, pad_id, engine.device)
     if plan.resolved.host_grad_buffer.value == "shared":
         _share_grad_slot(engine, rank)
     if cuda:
@@ -348,7 +367,7 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
         getattr(torch._C, "_host_emptyCache", lambda: None)()
     return Session(engine=engine, model=model, keep=keep, offloader=offloader, batches=batches,
                    pad_id=pad_id, fingerprint=fp, start=start, rank=rank, world=world, cuda=cuda,
-                   evaluator=evaluator)
+                   evaluator=evaluator, sp=sp)
 
 
 def _clock(cuda: bool):
@@ -423,8 +442,10 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
         with attention.context(plan.resolved.sdpa_backend.value):
             for step in bar:
                 progress.start_step(last_s)
-                rec = _step(s.engine, s.batches, cfg.grad_accum_steps, s.pad_id, now, s.offloader,
-                            plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
+                rec = _step(s.engine, s.batches,
+                            cfg.grad_accum_steps * cfg.hardware.sequence_parallel, s.pad_id, now,
+                            s.offloader, plan.resolved.packed_attention.value in PASSES_BOUNDARIES,
+                            s.sp)
                 progress.end_step()
                 last_s = rec["time_s"]
                 _log_step(s, cfg, plan, step, rec, log, bar)

@@ -106,7 +106,7 @@ class Numbers:
     """Derived sizes shared by the GPU (estimate_gpu) and host (estimate_host) item builders."""
     a: dict              # dims(): h, I, L, H, kv, d, V, tied
     w: int               # bytes of a weight, gradient or activation element
-    T: int               # tokens per micro-step: micro-batch x seq
+    T: int               # tokens per micro-step on a rank: micro-batch x seq / sequence_parallel
     knobs: dict          # zero_knobs()
     params: list         # param_numels()
     trainable: list      # trainable_numels()
@@ -135,7 +135,7 @@ def numbers(arch: dict, s: Setup) -> Numbers:
     groups = sub_groups([share(n, N) for n in trainable], s.sub_group_size) if trainable else [0]
     on_gpu, on_host = optimizer_split(s, groups)
     return Numbers(
-        a=a, w=4 if s.precision == "fp32" else 2, T=s.micro_batch * s.seq_len,
+        a=a, w=4 if s.precision == "fp32" else 2, T=s.local_tokens,
         knobs=zero_knobs(s, a["h"]), params=params, trainable=trainable,
         P=sum(n for _, n in params), P_r=sum(share(n, N) for _, n in params),
         Pt_r=sum(share(n, N) for n in trainable),

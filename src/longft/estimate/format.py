@@ -61,7 +61,9 @@ def describe(s: Setup) -> str:
         off += ", bf16 optimizer states"
     attn = s.attention + (f"({s.sdpa_backend})" if s.attention == "sdpa" else "")
     where = "" if s.device == "cuda" else " on CPU (GPU items = the rank's tensors in host RAM)"
-    return (f"seq {s.seq_len:,} x micro-batch {s.micro_batch}, {s.world_size} rank(s){where}, "
+    sp = (f" (each sequence over {s.sequence_parallel}: Ulysses)" if s.sequence_parallel > 1
+          else "")
+    return (f"seq {s.seq_len:,} x micro-batch {s.micro_batch}, {s.world_size} rank(s){sp}{where}, "
             f"{s.precision}, {attn}, Liger {'on' if s.liger else 'off'}, checkpointing "
             f"{s.checkpointing}, ZeRO-{s.zero_stage} offload {off}"
             + (f", LoRA r={s.lora_rank}" if s.lora_rank else ""))

@@ -38,7 +38,7 @@ def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
     if s.tiled_mlp:
         # TiledMLP saves only its input (the norm output, counted above); its backward holds a
         # [tokens, h] input-grad buffer and one tile's intermediates at a time.
-        tokens = s.micro_batch * s.seq_len
+        tokens = s.local_tokens
         if tiles(tokens, s.tile_tokens) > 1:
             mlp_tile = int(s.tile_tokens / tokens * (mlp + mlp_bwd + 2 * x * h)) + x * h
             mlp, mlp_bwd = 0, 0
@@ -49,15 +49,34 @@ def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
     # eager / math kernel: softmax output in fp32 and probabilities in x, H x seq per query token
     probs = H * s.seq_len * (4 + x) if quadratic else 0
     saved = norms + qk + v + attn_out + residual + mlp + small + probs
+    a2a = ulysses_bytes(arch, s)
+    saved += a2a["saved"]
     dout = x * h                                             # gradient arriving at the layer output
     peak_mlp = saved + mlp_bwd + dout + mlp_tile
     # attention backward: MLP tensors are gone; dq (+ fp32 accumulator), dk, dv (expanded for GQA)
     attn_alive = norms // 2 + qk + v + attn_out + small + probs + x * Hd + x * h  # + d_out, d_h1
     attn_tmp = x * Hd + 4 * Hd + 2 * x * kvd + (2 * x * Hd if kv != H else 0) + probs
-    peak_attn = attn_alive + attn_tmp
+    peak_attn = attn_alive + a2a["saved"] + attn_tmp + a2a["buffers"]
     recompute = saved + 2 * x * h                            # end of recompute: down out + layer out
     return {"saved": saved, "peak": max(peak_mlp, peak_attn, recompute),
             "mlp_peak": peak_mlp, "attn_peak": peak_attn}
+
+
+def ulysses_bytes(arch: dict, s: Setup) -> dict[str, int]:
+    """Bytes per local token that DeepSpeed's Ulysses attention adds to a layer (sequence_parallel
+    N > 1; 0 without). Each rank holds seq / N tokens with all heads; the all-to-all turns q, k, v
+    into the whole sequence with heads / N (k, v replicated when N > K/V heads), the same bytes
+    per local token. "saved": the exchanged q, k, v and the kernel's output before the way back,
+    kept for backward besides the layer's own q, k, v; "buffers": the contiguous send copy and the
+    receive buffer of the largest exchange in flight (forward and backward alike)."""
+    n = s.sequence_parallel
+    if n <= 1:
+        return {"saved": 0, "buffers": 0}
+    a = dims(arch)
+    x, H, kv, d = 4 if s.precision == "fp32" else 2, a["H"], a["kv"], a["d"]
+    kv_eff = max(kv, n)  # replicated up to N heads when N > kv
+    qkv = x * d * (H + 2 * kv_eff)
+    return {"saved": qkv + x * H * d, "buffers": 2 * qkv}
 
 
 def reuse_layers(arch: dict, s: Setup, knobs: dict) -> int:

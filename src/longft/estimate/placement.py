@@ -45,7 +45,7 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     """Predicted seconds of one optimizer step (grad_accum micro-steps) on one rank."""
     from longft.estimate.flops import attention_flops, flops_per_token, peak_flops
 
-    T = s.micro_batch * s.seq_len
+    T = s.local_tokens  # sequence parallel: N micro-steps of seq / N tokens for each row
     w = 4 if s.precision == "fp32" else 2
     P_r = sum(n for _, n in param_numels(arch)) / s.world_size
     peak = peak_flops(gpu_name, s.precision) or UNKNOWN_PEAK_FLOPS
@@ -64,7 +64,7 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     if s.checkpointing == "cpu_offload":
         moved = max(0, arch["num_hidden_layers"] - s.gpu_layers)
         micro += EXPOSED_FRACTION * 2 * moved * T * arch["hidden_size"] * w / HOST_LINK_BYTES_PER_S
-    return s.grad_accum * micro + optimizer_seconds(arch, s)
+    return s.grad_accum * s.sequence_parallel * micro + optimizer_seconds(arch, s)
 
 
 def optimizer_seconds(arch: dict, s: Setup) -> float:

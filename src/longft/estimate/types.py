@@ -101,6 +101,12 @@ class Setup:
                                      # (kernels.packed_attention: mask; per-document attention has none)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    sequence_parallel: int = 1       # hardware.sequence_parallel: each rank holds seq / N tokens
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of a micro-step on one rank: micro x seq, over N ranks of a sequence."""
+        return self.micro_batch * self.seq_len // self.sequence_parallel
 
     @property
     def offload_device(self) -> str:
@@ -111,6 +117,10 @@ class Setup:
         p = []
         if self.micro_batch < 1 or self.seq_len < 1 or self.world_size < 1 or self.ranks_per_node < 1:
             p.append("micro_batch, seq_len, world_size and ranks_per_node must be >= 1")
+        sp = self.sequence_parallel
+        if sp < 1 or self.ranks_per_node % sp or self.seq_len % sp:
+            p.append(f"sequence_parallel {sp} must be >= 1 and divide ranks_per_node "
+                     f"({self.ranks_per_node}) and seq_len ({self.seq_len})")
         if self.device not in ("cuda", "cpu"):
             p.append(f"device {self.device!r} is not cuda or cpu")
         if self.precision not in ("bf16", "fp16", "fp32"):

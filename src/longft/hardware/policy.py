@@ -12,6 +12,7 @@ from __future__ import annotations
 from longft.config import cpu_rules
 from longft.config.params import Config, ConfigError
 from longft.config.plan import Choice
+from longft.hardware import sequence_parallel
 from longft.hardware.machine import Hardware
 
 # Model families whose decoder layers Liger can patch (liger_kernel.transformers.monkey_patch).
@@ -29,10 +30,11 @@ class PlanError(ConfigError):
 
 
 def resolve(cfg: Config, hw: Hardware, model_type: str,
-            softcap: float | None = None) -> dict[str, Choice]:
+            softcap: float | None = None, heads: tuple[int, int] | None = None) -> dict[str, Choice]:
     """Resolve every knob for `hw`, in order; raise PlanError listing every problem at once.
     softcap: the model's attention logit softcapping (model.patches.attention_softcap), which
-    the attention kernel must apply."""
+    the attention kernel must apply; heads: its (attention, key/value) head counts, which
+    hardware.sequence_parallel must divide (hardware/sequence_parallel.py)."""
     out: dict[str, Choice] = {}
     problems: list[str] = []
 
@@ -47,7 +49,8 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     problems.extend(check_optimizer_states(cfg, precision))
     attention = put("attention", resolve_attention(cfg, hw, device, softcap))
     put("sdpa_backend", resolve_sdpa_backend(cfg, hw, device, attention))
-    put("packed_attention", resolve_packed_attention(cfg, hw, device, attention))
+    packed = put("packed_attention", resolve_packed_attention(cfg, hw, device, attention))
+    problems.extend(sequence_parallel.problems(cfg, attention, packed, *(heads or (None, None))))
     put("liger", resolve_liger(cfg, hw, device, model_type))
     put("tiled_mlp", resolve_tiled_mlp(cfg))
     put("checkpointing", resolve_checkpointing(cfg, device))
@@ -311,7 +314,9 @@ def resolve_checkpointing(cfg: Config, device: str) -> tuple[Choice, list[str]]:
 def resolve_host_grad_buffer(cfg: Config, precision: str) -> tuple[Choice, list[str]]:
     """auto: shared where one host slot is exact (why_not_shared_grad_buffer), else full."""
     hb, z = cfg.zero.host_grad_buffer, cfg.zero
-    why_not = why_not_shared_grad_buffer(z.stage, z.offload_optimizer, cfg.grad_accum_steps,
+    # micro-steps of a step: with sequence_parallel N each loaded row is N of them
+    micro_steps = cfg.grad_accum_steps * cfg.hardware.sequence_parallel
+    why_not = why_not_shared_grad_buffer(z.stage, z.offload_optimizer, micro_steps,
                                          precision)
     if hb == "auto":
         return Choice("full" if why_not else "shared",

@@ -55,7 +55,9 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     """Return (plan, ds_config) for cfg on hw; raises PlanError/ModelError on impossible requests."""
     mc = load_model_config(cfg.model)
     check_context_length(mc, cfg.data.max_seq_length, cfg.model.name)
-    choices = hardware.resolve(cfg, hw, mc.model_type, patch.attention_softcap(mc))
+    arch = architecture(mc)
+    choices = hardware.resolve(cfg, hw, mc.model_type, patch.attention_softcap(mc),
+                               (arch["num_attention_heads"], arch["num_key_value_heads"]))
     precision = choices["precision"].value
     model = meta_model(mc, choices["attention"].value, cfg.model.trust_remote_code)
     try:
@@ -66,7 +68,6 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     except patch.PatchError as e:  # a knob this model or mode cannot take (patch checks it)
         raise hardware.PlanError([str(e)]) from None
     n_params = sum(p.numel() for p in model.parameters())
-    arch = architecture(mc)
     if cfg.lora.rank > 0:
         targets = lora_targets(model, cfg.lora.target_modules, mc.model_type)
         n_trainable = sum(cfg.lora.rank * (m.in_features + m.out_features) for m in targets)
