@@ -71,8 +71,12 @@ def test_the_patch_stage_plans_gemma2_with_eager_and_the_model_runs_it(tmp_path)
     assert plan["resolved"]["packed_attention"]["value"] == "mask"
     assert plan["patches"]["attn_implementation"] == "eager"
     # the trainer builds the model with that kernel: the cap is applied (eager_attention_forward)
+    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(gemma2_config(), attn_implementation=attn["value"])
     model.config.use_cache = False
+    with torch.no_grad():   # scores far beyond the cap of 50: random init keeps them near 0
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(200)
     ids = torch.randint(0, 300, (1, 16))
     capped = model(ids).logits
     model.config.attn_logit_softcapping = None
