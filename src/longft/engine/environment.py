@@ -1,0 +1,52 @@
+"""The run's environment record (the "env" line of runs/train/rank0.jsonl, metrics/env.json):
+hardware, library versions and every resolved knob, written once by rank 0 when a run starts."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+from longft.config.params import Config
+from longft.config.plan import Plan
+from longft.measure.monitor import gpu_inventory
+
+
+def _pkg(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def environment(cfg: Config, plan: Plan) -> dict:
+    import torch
+
+    r = plan.resolved
+    cuda = torch.cuda.is_available()
+    gpus = gpu_inventory() if cuda else []
+    driver = gpus[0]["driver"] if gpus else None
+    return {
+        "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "driver": driver, "cuda": torch.version.cuda if cuda else None,
+        "torch": torch.__version__, "deepspeed": _pkg("deepspeed"),
+        "transformers": _pkg("transformers"), "liger_kernel": _pkg("liger-kernel"),
+        "peft": _pkg("peft"), "python": platform.python_version(),
+        "precision": r.precision.value, "attention": r.attention.value,
+        "sdpa_backend": r.sdpa_backend.value, "packed_attention": r.packed_attention.value,
+        "checkpointing": r.checkpointing.value, "liger": r.liger.value,
+        "tiled_mlp": r.tiled_mlp.value, "host_grad_buffer": r.host_grad_buffer.value,
+        "gpu_layers": cfg.checkpointing.gpu_layers,
+        "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
+        "offload_ratio": cfg.zero.offload_ratio, "optimizer_states": cfg.zero.optimizer_states,
+        "sub_group_size": cfg.zero.sub_group_size, "bind_cores": cfg.hardware.bind_cores,
+        "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
+        "sequence_parallel": cfg.hardware.sequence_parallel,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.data.max_seq_length,
+        "model_name": cfg.model.name, "model_source": cfg.model.source,
+        "n_params": plan.model.n_params, "lora_rank": cfg.lora.rank,
+        # the rendezvous port the launcher gave the ranks (hardware.master_port auto: picked then)
+        "master_port": int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None,
+    }
