@@ -119,6 +119,10 @@ class CheckpointingConfig:
     """gpu / cpu_offload: the last N decoder layers keep their attention output from the forward,
     so the backward's recompute skips the attention forward (a quarter of the attention time; each
     layer costs micro x seq x heads x head_dim x 2 B of VRAM until its backward)."""
+    prefetch: bool = True
+    """cpu_offload only: in backward, start copying the previous layer's checkpoint back to the GPU
+    while the current layer recomputes (one more checkpoint on the GPU at a time). false: each
+    checkpoint is copied back when its layer's backward needs it (the copy is not overlapped)."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,18 @@ class ZeroConfig:
     finer and shrink the per-group step buffers."""
     offload_param: Literal["none", "cpu"] = "none"
     """Parameters on the host, fetched per layer (ZeRO-3 only)."""
+    reduce_bucket_size: Optional[int] = None
+    """Gradient elements reduced (and, with offload, copied to the host) per bucket: DeepSpeed's
+    zero_optimization.reduce_bucket_size. null = hidden_size^2 (as HF Trainer's `auto`)."""
+    prefetch_bucket_size: Optional[int] = None
+    """ZeRO-3: parameter elements fetched ahead of use (stage3_prefetch_bucket_size).
+    null = 0.9 x hidden_size^2."""
+    param_persistence_threshold: Optional[int] = None
+    """ZeRO-3: parameters of at most this many elements stay gathered on every GPU instead of being
+    fetched per use (stage3_param_persistence_threshold). null = 10 x hidden_size."""
+    max_live_parameters: Optional[int] = None
+    """ZeRO-3: at most this many gathered parameter elements at a time (stage3_max_live_parameters).
+    null = 1e9."""
     overlap_comm: bool = True
     host_grad_buffer: Literal["auto", "full", "shared"] = "auto"
     """With offload_optimizer (ZeRO-3), DeepSpeed keeps a host copy of every gradient partition in
@@ -421,6 +437,10 @@ def _check(cfg: Config) -> list[str]:
     k = cfg.checkpointing.keep_attention
     if k < 0:
         p.append(f"checkpointing.keep_attention: must be >= 0, got {k}")
+    if not cfg.checkpointing.prefetch and cfg.checkpointing.mode != "cpu_offload":
+        p.append(f"checkpointing.prefetch: false applies only to checkpointing.mode cpu_offload "
+                 f"(it is {cfg.checkpointing.mode}: no checkpoint comes back from the host); "
+                 "set prefetch: true or mode: cpu_offload")
     elif k > 0 and cfg.checkpointing.mode == "none":
         p.append(f"checkpointing.keep_attention: {k} needs checkpointing (mode auto, gpu or "
                  "cpu_offload): with mode none nothing is recomputed; set it to 0")
@@ -475,6 +495,18 @@ def _zero_problems(cfg: Config) -> list[str]:
                  "precision: bf16 or optimizer_states: fp32")
     if z.sub_group_size < 1:
         p.append(f"zero.sub_group_size: must be >= 1, got {z.sub_group_size}")
+    for name in ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
+        v = getattr(z, name)
+        if v is not None and v < 1:
+            p.append(f"zero.{name}: must be >= 1 element, or null for longft's default, got {v}")
+    if z.stage != 3:
+        for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters"):
+            if getattr(z, name) is not None:
+                p.append(f"zero.{name}: a ZeRO-3 setting (stage3_{name}); zero.stage 2 would ignore "
+                         f"it: set it to null or zero.stage: 3")
+    if z.param_persistence_threshold is not None and z.param_persistence_threshold < 0:
+        p.append(f"zero.param_persistence_threshold: must be >= 0 elements (0: nothing persists), "
+                 f"or null for longft's default, got {z.param_persistence_threshold}")
     return p
 
 

@@ -67,11 +67,16 @@ def nvme_run_dir(ds: dict, run_key: str) -> str | None:
     return off["nvme_path"]
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else int(value)
+
+
 def zero_section(cfg: Config, hidden_size: int) -> dict:
     z = cfg.zero
     sec: dict = {"stage": z.stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": True,
-                 # Bucket sizes scaled to the model width, as DeepSpeed's "auto" does in HF Trainer.
-                 "reduce_bucket_size": hidden_size * hidden_size}
+                 # Bucket sizes scaled to the model width, as DeepSpeed's "auto" does in HF Trainer
+                 # (each zero.* knob set in params.yaml replaces its default).
+                 "reduce_bucket_size": _or(z.reduce_bucket_size, hidden_size * hidden_size)}
     if z.offload_optimizer == "cpu":
         sec["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if z.offload_ratio < 1:     # the first int((1 - ratio) x sub-groups) step on the GPU
@@ -82,9 +87,9 @@ def zero_section(cfg: Config, hidden_size: int) -> dict:
     sec["sub_group_size"] = z.sub_group_size
     if z.stage == 3:
         sec.update({
-            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-            "stage3_param_persistence_threshold": 10 * hidden_size,
-            "stage3_max_live_parameters": int(1e9),
+            "stage3_prefetch_bucket_size": _or(z.prefetch_bucket_size, int(0.9 * hidden_size * hidden_size)),
+            "stage3_param_persistence_threshold": _or(z.param_persistence_threshold, 10 * hidden_size),
+            "stage3_max_live_parameters": _or(z.max_live_parameters, int(1e9)),
             "stage3_max_reuse_distance": int(1e9),
             "stage3_gather_16bit_weights_on_model_save": False,
             # DeepSpeed's default (true) crashes in backward through checkpointed layers on

@@ -19,7 +19,11 @@ def _pkg(name: str) -> str | None:
         return None
 
 
-def environment(cfg: Config, plan: Plan) -> dict:
+ZERO_KNOBS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+              "stage3_max_live_parameters", "sub_group_size")
+
+
+def environment(cfg: Config, plan: Plan, ds: dict | None = None) -> dict:
     import torch
 
     r = plan.resolved
@@ -37,7 +41,10 @@ def environment(cfg: Config, plan: Plan) -> dict:
         "sdpa_backend": r.sdpa_backend.value, "packed_attention": r.packed_attention.value,
         "checkpointing": r.checkpointing.value, "liger": r.liger.value,
         "tiled_mlp": r.tiled_mlp.value, "host_grad_buffer": r.host_grad_buffer.value,
-        "gpu_layers": cfg.checkpointing.gpu_layers,
+        "gpu_layers": cfg.checkpointing.gpu_layers, "ckpt_prefetch": cfg.checkpointing.prefetch,
+        # the ZeRO bucket / threshold numbers DeepSpeed ran with (zero.* knobs or their defaults)
+        "zero_knobs": {k: v for k, v in ((ds or {}).get("zero_optimization") or {}).items()
+                       if k in ZERO_KNOBS},
         "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
         "offload_ratio": cfg.zero.offload_ratio, "optimizer_states": cfg.zero.optimizer_states,
         "sub_group_size": cfg.zero.sub_group_size, "bind_cores": cfg.hardware.bind_cores,

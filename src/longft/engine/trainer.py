@@ -73,7 +73,8 @@ def _build(cfg: Config, plan: Plan, ds: dict):
         patch.zero3_gather_lm_head(model)
     offloader = None
     if r.checkpointing.value == "cpu_offload":
-        offloader = patch.offload_checkpoints(model, cfg.checkpointing.gpu_layers)
+        offloader = patch.offload_checkpoints(model, cfg.checkpointing.gpu_layers,
+                                              cfg.checkpointing.prefetch)
     if cfg.lora.rank > 0:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(
@@ -458,7 +459,7 @@ def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
     try:
         with RunLog(run_dir, s.rank, resume_step=s.start) as log:
             if s.rank == 0 and not s.start:
-                log.write("env", **environment(cfg, plan))
+                log.write("env", **environment(cfg, plan, ds))
             loop(s, cfg, plan, log, ckpt_dir, export_dir, stopper)
     finally:
         s.live.close()

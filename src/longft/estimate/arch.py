@@ -97,7 +97,11 @@ def zero_knobs(s: Setup, hidden_size: int) -> dict:
 
     cfg = Config(zero=ZeroConfig(stage=s.zero_stage, overlap_comm=s.overlap_comm,
                                  offload_optimizer="cpu" if s.offload_optimizer else "none",
-                                 offload_param="cpu" if s.offload_param else "none"))
+                                 offload_param="cpu" if s.offload_param else "none",
+                                 reduce_bucket_size=s.reduce_bucket_size,
+                                 prefetch_bucket_size=s.prefetch_bucket_size,
+                                 param_persistence_threshold=s.param_persistence_threshold,
+                                 max_live_parameters=s.max_live_parameters))
     return zero_section(cfg, hidden_size)
 
 

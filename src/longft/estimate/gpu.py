@@ -121,7 +121,8 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
                 f"{w} B x vocab {V:,} x h {h:,} (external param of the top module under Liger)"
                 if s.liger else f"{w} B x vocab x h while lm_head runs")
             gpu("ZeRO-3 prefetch bucket", w * k["stage3_prefetch_bucket_size"], FB,
-                f"{w} B x 0.9 h^2 = {k['stage3_prefetch_bucket_size']:,} elements")
+                f"{w} B x {'0.9 h^2' if s.prefetch_bucket_size is None else 'zero.prefetch_bucket_size'}"
+                f" = {k['stage3_prefetch_bucket_size']:,} elements")
     else:
         gpu("weights: full copy (ZeRO-2)", w * n.P, ALL, f"{w} B x {n.P:,} params on every rank")
     ms = n.ms
@@ -151,7 +152,7 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
     bufs = 1 if z3 or not s.overlap_comm else 2
     gpu("gradients: reduce bucket + one in flight",
         w * (bufs * k["reduce_bucket_size"] + n.biggest), ("backward",),
-        f"{w} B x ({bufs} x reduce_bucket h^2 + largest layer param {n.biggest:,})")
+        f"{w} B x ({bufs} x reduce_bucket {k['reduce_bucket_size']:,} + largest layer param {n.biggest:,})")
     return out
 
 
@@ -180,9 +181,11 @@ def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         if s.gpu_layers:
             gpu("activation checkpoints kept on the GPU", s.gpu_layers * ckpt, FB,
                 f"gpu_layers {s.gpu_layers} x micro x seq x h x {x} B")
-        if s.gpu_layers < 2:
-            k = 2 - s.gpu_layers
-            gpu("activation checkpoints: in use + prefetched", k * ckpt, FB,
+        back = 2 if s.ckpt_prefetch else 1   # in use (+ the next one prefetched)
+        if s.gpu_layers < back:
+            k = back - s.gpu_layers
+            gpu("activation checkpoints: in use + prefetched" if s.ckpt_prefetch
+                else "activation checkpoints: in use (no prefetch)", k * ckpt, FB,
                 f"{k} x micro x seq x h x {x} B (the rest in pinned host memory)")
     else:
         gpu("layer inputs (no checkpointing)", L * ckpt, FB, f"L {L} x micro x seq x h x {x} B")

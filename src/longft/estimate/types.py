@@ -83,6 +83,7 @@ class Setup:
     liger: bool = True
     checkpointing: str = "gpu"       # none | gpu | cpu_offload
     gpu_layers: int = 0              # cpu_offload: last N layers keep their checkpoints on the GPU
+    ckpt_prefetch: bool = True       # cpu_offload: the previous layer's checkpoint comes back early
     keep_attention: int = 0          # last N layers keep their attention output (no recompute)
     tiled_mlp: bool = False          # MLP over tiles of tile_tokens tokens (tiled.py)
     tile_tokens: int = TILE_TOKENS
@@ -95,6 +96,11 @@ class Setup:
     nvme: bool = False               # offload_optimizer to NVMe files (ZeRO-Infinity), via host buffers
     optimizer_states: str = "fp32"   # fp32 | bf16 (master weights, their gradients, Adam m and v)
     sub_group_size: int = DS_SUB_GROUP_SIZE
+    # zero.* bucket / threshold knobs (None: longft's defaults from the hidden size, ds_config.py)
+    reduce_bucket_size: int | None = None
+    prefetch_bucket_size: int | None = None
+    param_persistence_threshold: int | None = None
+    max_live_parameters: int | None = None
     grad_accum: int = 1
     host_grad_buffer: str = "full"   # full | shared (grad_buffer.py): DeepSpeed's host gradient copy
     block_mask: bool = False         # packed rows under transformers' dense [s x s] block mask

@@ -28,8 +28,10 @@ OFFLOAD_MIN_BYTES = 1 << 20
 
 
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES, pin_memory: bool | None = None):
+    def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES, pin_memory: bool | None = None,
+                 prefetch: bool = True):
         self.min_bytes = min_bytes
+        self.prefetch = prefetch  # False: each tensor is copied back only when its unpack asks
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.host: dict[int, tuple[torch.Tensor, torch.device, object]] = {}
@@ -94,7 +96,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         if ready is not None:  # the compute stream uses (and frees) it only once it has arrived
             torch.cuda.current_stream(gpu.device).wait_event(ready)
         prev = packed - 1
-        if prev in self.host and prev not in self.prefetched:
+        if self.prefetch and prev in self.host and prev not in self.prefetched:
             self.prefetched[prev] = self._to_device(prev)
         return gpu
 
@@ -110,12 +112,13 @@ class CheckpointOffload:
     Call `new_step()` before each forward; `hooks` then holds that micro-step's bookkeeping.
     """
 
-    def __init__(self, layers, gpu_layers: int = 0, min_bytes: int = OFFLOAD_MIN_BYTES, hooks=None):
+    def __init__(self, layers, gpu_layers: int = 0, min_bytes: int = OFFLOAD_MIN_BYTES, hooks=None,
+                 prefetch: bool = True):
         layers = [m for m in layers if getattr(m, "gradient_checkpointing", False)]
         if not layers:
             raise ValueError("no decoder layer has gradient checkpointing on: enable it first")
         self.hooks: OffloadHooks | None = None
-        self._new_hooks = hooks or (lambda: OffloadHooks(min_bytes=min_bytes))
+        self._new_hooks = hooks or (lambda: OffloadHooks(min_bytes=min_bytes, prefetch=prefetch))
         for i, layer in enumerate(layers):
             base = layer._gradient_checkpointing_func
             layer._gradient_checkpointing_func = functools.partial(

@@ -143,7 +143,7 @@ def _keep_attention(model, checkpointing: str, n: int, sdpa_backend: str = "defa
     return keep_outputs(layers, n)
 
 
-def offload_checkpoints(model, gpu_layers: int = 0):
+def offload_checkpoints(model, gpu_layers: int = 0, prefetch: bool = True):
     """For checkpointing cpu_offload: route the decoder layers' checkpoints through pinned host
     memory (all but the last `gpu_layers`); returns the `offload.CheckpointOffload` to step."""
     from longft.model.checkpoint_offload import CheckpointOffload
@@ -152,7 +152,7 @@ def offload_checkpoints(model, gpu_layers: int = 0):
     if gpu_layers > len(layers):
         raise PatchError(f"checkpointing.gpu_layers is {gpu_layers} but the model has "
                          f"{len(layers)} decoder layers; use at most {len(layers)}")
-    return CheckpointOffload(layers, gpu_layers)
+    return CheckpointOffload(layers, gpu_layers, prefetch=prefetch)
 
 
 def zero3_gather_lm_head(model) -> bool:
