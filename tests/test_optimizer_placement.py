@@ -267,3 +267,15 @@ def test_each_nvme_run_swaps_into_its_own_directory_and_stale_ones_are_named(tmp
     (Path(da) / "states.swp").write_bytes(b"x" * 4096)     # left by a killed run
     (msg,) = nvme.path_problems(str(tmp_path), 2**60)
     assert "swap files of earlier longft runs" in msg and "run-*" in msg
+
+
+def test_the_env_record_counts_deepspeeds_own_sub_group_placement():
+    from types import SimpleNamespace
+
+    from longft.engine.environment import optimizer_groups
+
+    where = {0: "cuda", 1: "cuda", 2: "cpu", 3: "cpu", 4: "cpu"}
+    assert optimizer_groups(SimpleNamespace(optimizer=SimpleNamespace(subgroup_to_device=where))) == \
+        {"gpu": 2, "host": 3}
+    assert optimizer_groups(SimpleNamespace(optimizer=SimpleNamespace())) is None   # no offload
+    assert optimizer_groups(None) is None

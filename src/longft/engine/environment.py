@@ -23,7 +23,18 @@ ZERO_KNOBS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param
               "stage3_max_live_parameters", "sub_group_size")
 
 
-def environment(cfg: Config, plan: Plan, ds: dict | None = None) -> dict:
+def optimizer_groups(engine) -> dict | None:
+    """Where DeepSpeed put this rank's optimizer sub-groups: {"gpu": k, "host": m} from ZeRO-3's
+    own subgroup_to_device map (offload_optimizer with offload_ratio), None where it keeps none
+    (no ZeRO-3 optimizer offload). What the estimator's optimizer_split predicts, as it ran."""
+    where = getattr(getattr(engine, "optimizer", None), "subgroup_to_device", None)
+    if not isinstance(where, dict) or not where:
+        return None
+    host = sum(1 for d in where.values() if d == "cpu")
+    return {"gpu": len(where) - host, "host": host}
+
+
+def environment(cfg: Config, plan: Plan, ds: dict | None = None, engine=None) -> dict:
     import torch
 
     r = plan.resolved
@@ -48,6 +59,7 @@ def environment(cfg: Config, plan: Plan, ds: dict | None = None) -> dict:
         "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
         "offload_ratio": cfg.zero.offload_ratio, "optimizer_states": cfg.zero.optimizer_states,
         "sub_group_size": cfg.zero.sub_group_size, "bind_cores": cfg.hardware.bind_cores,
+        "optimizer_groups": optimizer_groups(engine),
         "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,
         "sequence_parallel": cfg.hardware.sequence_parallel,
         "micro_batch_size": cfg.train.micro_batch_size,

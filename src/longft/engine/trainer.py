@@ -459,7 +459,7 @@ def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
     try:
         with RunLog(run_dir, s.rank, resume_step=s.start) as log:
             if s.rank == 0 and not s.start:
-                log.write("env", **environment(cfg, plan, ds))
+                log.write("env", **environment(cfg, plan, ds, s.engine))
             loop(s, cfg, plan, log, ckpt_dir, export_dir, stopper)
     finally:
         s.live.close()
