@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from longft.config.grid import GridError
 from longft.config.params import ConfigError
 from longft.config.typed_yaml import DuplicateKeyError
 from longft.data.errors import DataError
@@ -22,6 +23,7 @@ from longft.engine.grad_buffer import GradBufferError
 from longft.engine.trainer import TrainingError
 from longft.errors import UserError
 from longft.hardware.policy import PlanError
+from longft.metrics.grid_axes import GridReportError
 from longft.model.loading import ModelError
 from longft.model.patches import PatchError
 from longft.run.launch import LaunchError
@@ -31,7 +33,8 @@ from longft.run.sweep import SweepError
 SRC = Path(__file__).resolve().parents[1] / "src" / "longft"
 USER_ERRORS = {ConfigError: ValueError, PlanError: ValueError, DataError: ValueError,
                ModelError: ValueError, PatchError: ValueError, ExportError: ValueError,
-               SweepError: ValueError, TrainingError: RuntimeError, CheckpointError: RuntimeError,
+               SweepError: ValueError, GridError: ValueError, GridReportError: ValueError,
+               TrainingError: RuntimeError, CheckpointError: RuntimeError,
                GradBufferError: RuntimeError, LaunchError: RuntimeError,
                HostMemoryError: RuntimeError, DuplicateKeyError: ValueError}
 NOT_USER_ERRORS = {"UserError", "Stopped", "StageFailed"}

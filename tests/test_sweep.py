@@ -154,6 +154,26 @@ def test_overlays_for_bench(workdir, capsys):
                    "zero": {"offload_param": "cpu"}}
 
 
+def test_report_item_is_skipped_by_sweep(workdir, capsys):
+    """A grid's optional first item `report:` (plot axes for `longft report --grid`) is not a
+    row: not validated against params, not queued, not counted in row numbers."""
+    grid = write(workdir / "grid.yaml", "- report: {x: train.micro_batch_size}\n" + GRID)
+    assert [r.number for r in sweep.load(grid)] == [1, 2]
+    assert cli.main(["sweep", str(grid), "--overlays", "ov"]) == 0
+    assert sorted(p.name for p in (workdir / "ov").iterdir()) == ["8b-128k-2gpu.yaml", "row2.yaml"]
+    assert cli.main(["sweep", str(grid), "--dry-run"]) == 0
+    assert "report" not in capsys.readouterr().out
+    late = write(workdir / "late.yaml", GRID + "- report: {x: train.micro_batch_size}\n")
+    with pytest.raises(sweep.SweepError, match="row 3: the report: item must come first"):
+        sweep.load(late)
+    bad = write(workdir / "bad.yaml", "- report: {x: 3, colour: red}\n" + GRID)
+    with pytest.raises(sweep.SweepError) as e:
+        sweep.load(bad)
+    assert e.value.problems == [
+        "the report: item: unknown key(s) colour (known: x, series)",
+        "the report: item: x must be a dotted param key or `name`, got 3"]
+
+
 def dvc(*args, cwd):
     p = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, capture_output=True,
                        text=True, timeout=60)

@@ -1,6 +1,7 @@
 """The `longft` command: results tables, sweeps and memory estimates.
 
     longft report [--from-json DIR | --exp-json FILE] [-A] [--names] [--out FILE] [--plots DIR]
+    longft report --from-json DIR --grid GRID.yaml [--grid ...] [--out FILE] [--plots DIR]
     longft sweep GRID.yaml [--only GLOB ...] [--dry-run] [--run | --overlays DIR]
     longft estimate | plan | max-context ...   (longft.cli.estimate; `longft plan --help`)
 

@@ -7,6 +7,8 @@ throughput and peak memory against context length and against GPU count.
     longft report --names                            # plus a Run column (experiment name)
     longft report --exp-json exp.json                # a saved `dvc exp show --json`
     longft report --from-json bench/results          # scripts/bench.py results (no DVC there)
+    longft report --from-json bench/results --grid bench/grids/q1.yaml --plots plots
+                                                     # one grid's findings (metrics/grid_report.py)
 
 Runs come from `dvc exp show --json` (params.yaml and the metrics metrics/train.json and
 metrics/env.json of each revision) or from bench result files ({"params", "train", "env"}). A run
@@ -131,6 +133,25 @@ def exp_show(all_commits: bool = False) -> list[dict]:
     return json.loads(p.stdout)
 
 
+def bench_run(doc: Any, name: str) -> Run | str:
+    """The run of one loaded scripts/bench.py result, or why it is not one."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("params"), dict):
+        return "not a bench result (no params)"
+    if not isinstance(doc.get("train"), dict):
+        return f"no train metrics (status: {doc.get('status', '?')})"
+    return Run(name, doc["params"], doc["train"],
+               doc.get("env") if isinstance(doc.get("env"), dict) else {})
+
+
+def read_bench(path: Path, name: str) -> Run | str:
+    """The run of one scripts/bench.py result file, or why it is not one."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return f"not readable JSON ({e})"
+    return bench_run(doc, name)
+
+
 def runs_from_bench(folder: Path) -> tuple[list[Run], list[str]]:
     """Runs of scripts/bench.py result files (*.json with params, train and env) anywhere under
     `folder`, each named by its path relative to it."""
@@ -138,19 +159,11 @@ def runs_from_bench(folder: Path) -> tuple[list[Run], list[str]]:
     folder = Path(folder)
     for path in sorted(folder.rglob("*.json")):
         name = path.relative_to(folder).with_suffix("").as_posix()
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            notes.append(f"{name}: not readable JSON ({e})")
-            continue
-        if not isinstance(doc, dict) or not isinstance(doc.get("params"), dict):
-            notes.append(f"{name}: not a bench result (no params)")
-            continue
-        if not isinstance(doc.get("train"), dict):
-            notes.append(f"{name}: no train metrics (status: {doc.get('status', '?')})")
-            continue
-        runs.append(Run(name, doc["params"], doc["train"],
-                        doc.get("env") if isinstance(doc.get("env"), dict) else {}))
+        got = read_bench(path, name)
+        if isinstance(got, Run):
+            runs.append(got)
+        else:
+            notes.append(f"{name}: {got}")
     return runs, notes
 
 
@@ -333,10 +346,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--names", action="store_true", help="add a Run column (experiment name)")
     p.add_argument("--out", metavar="FILE", type=Path, help="write the markdown here, not stdout")
     p.add_argument("--plots", metavar="DIR", type=Path,
-                   help="write " + " and ".join(PLOT_FILES) + " here")
+                   help="write " + " and ".join(PLOT_FILES) + " here (with --grid: GRID_STEM.png)")
+    p.add_argument("--grid", metavar="GRID", type=Path, action="append",
+                   help="with --from-json: the findings table (and plot) of this sweep grid's rows,"
+                        " DIR/<row name>.json; repeat for several grids (metrics/grid_report.py)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "grid", None):
+        from longft.metrics import grid_report
+        return grid_report.run(args)
     try:
         if args.from_json:
             if not args.from_json.is_dir():

@@ -9,8 +9,10 @@ per row.
 
 A grid file is a YAML list of rows. Each row maps dotted param keys (`zero.offload_param`) to
 values, plus an optional `name` for the experiment; YAML anchors and `<<:` merge keys share common
-values between rows. Every row is merged onto ./params.yaml and validated with the same checks as
-the pipeline *before* anything is queued; all problems of all rows are reported together.
+values between rows; an optional first item `report: {x: KEY, series: [KEY, ...]}` is for
+`longft report --grid` and skipped here (config/grid.py reads grids). Every row is merged onto
+./params.yaml and validated with the same checks as the pipeline *before* anything is queued; all
+problems of all rows are reported together.
 Queued runs start one at a time (`--jobs 1`): each run takes the whole GPU box.
 """
 
@@ -21,101 +23,26 @@ import fnmatch
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
 from longft.atomic import write_text
+from longft.config.grid import NAME_RE, GridError, GridRow, parse_grid  # noqa: F401 (re-exported)
+from longft.config.grid import nest as _nest
 from longft.config.params import ConfigError, from_dict, merge
 from longft.config.typed_yaml import DuplicateKeyError, load_yaml
-from longft.errors import UserError
 
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-"""Experiment names that are valid git ref components and need no shell quoting."""
 _BARE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
 _HYDRA_WORDS = {"true", "false", "null", "nan", "inf"}
 START = ["queue", "start", "--jobs", "1"]
 """One run at a time: each takes the whole GPU box."""
 
 
-class SweepError(UserError, ValueError):
-    """Problems in a grid file; the message lists every one."""
-
-    def __init__(self, problems: list[str], source: str):
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{len(problems)} problem(s) in {source}:\n{lines}")
-
-
-@dataclass(frozen=True)
-class GridRow:
-    name: Optional[str]
-    overrides: dict[str, Any]
-    """Dotted param key -> value, in file order."""
-    number: int = 1
-    """Position in the grid file, from 1."""
-
-    @property
-    def label(self) -> str:
-        return f"row {self.number}" + (f" ({self.name})" if self.name else "")
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, dict) and value:
-        for k, v in value.items():
-            _flatten(v, f"{prefix}.{k}", out)
-    else:
-        out[prefix] = value
-
-
-def _nest(flat: dict[str, Any]) -> dict:
-    """{"zero.stage": 3} -> {"zero": {"stage": 3}} (a params overlay)."""
-    out: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
-def parse_grid(raw: Any) -> tuple[list[GridRow], list[str]]:
-    """Rows of a loaded grid file, and the problems with its shape (not with the params)."""
-    if not isinstance(raw, list) or not raw:
-        return [], ["expected a non-empty YAML list of rows (mappings of dotted param keys)"]
-    rows, problems, names = [], [], set()
-    for i, item in enumerate(raw):
-        where = f"row {i + 1}"
-        if not isinstance(item, dict):
-            problems.append(f"{where}: expected a mapping of dotted param keys, got {item!r}")
-            continue
-        item = dict(item)
-        name = item.pop("name", None)
-        if name is not None:
-            if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-                problems.append(f"{where}: name {name!r} must match {NAME_RE.pattern}")
-                name = None
-            elif name in names:
-                problems.append(f"{where}: name {name!r} is used by an earlier row")
-            else:
-                names.add(name)
-        flat: dict[str, Any] = {}
-        for key, value in item.items():
-            if not isinstance(key, str) or not all(key.split(".")):
-                problems.append(f"{where}: {key!r} is not a dotted param key")
-                continue
-            _flatten(value, key, flat)
-        if not flat:
-            problems.append(f"{where}: no params to set")
-        clash = [k for k in flat if any(other.startswith(k + ".") for other in flat)]
-        for key in clash:  # "zero: 3" and "zero.stage: 2" in one row cannot both apply
-            problems.append(f"{where}: {key} is set both as a value and as a section")
-        if not clash:
-            rows.append(GridRow(name, flat, i + 1))
-    return rows, problems
+class SweepError(GridError):
+    """Problems in a grid file or in its rows merged onto params.yaml; the message lists every
+    one."""
 
 
 def validate(rows: list[GridRow], base: dict) -> list[str]:
@@ -197,7 +124,7 @@ def write_overlays(rows: list[GridRow], out_dir: Path, note: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for row in rows:
-        path = out_dir / f"{row.name or f'row{row.number}'}.yaml"
+        path = out_dir / f"{row.stem}.yaml"
         doc = {"bench_note": f"{note} {row.label}", **_nest(row.overrides)}
         write_text(path, yaml.safe_dump(doc, sort_keys=False))
         paths.append(path)
