@@ -279,3 +279,13 @@ def test_the_env_record_counts_deepspeeds_own_sub_group_placement():
         {"gpu": 2, "host": 3}
     assert optimizer_groups(SimpleNamespace(optimizer=SimpleNamespace())) is None   # no offload
     assert optimizer_groups(None) is None
+
+
+def test_a_ratio_on_the_cpu_is_refused_rather_than_ignored():
+    # DeepSpeed's CPU accelerator names its "device" sub-groups cpu: all would step with CPU Adam
+    with pytest.raises(ConfigError, match="on CPU every sub-group is on the host already"):
+        from_dict({**one_step(offload_ratio=0.5), "hardware": {"device": "cpu"}})
+    cfg = from_dict(one_step(offload_ratio=0.5))          # device auto: decided by the machine
+    with pytest.raises(PlanError, match="device auto found no CUDA GPU here"):
+        resolve(cfg, CPU, "llama")
+    resolve(cfg, H200, "llama")                          # a GPU: fine

@@ -51,3 +51,12 @@ def vram_limit(gib: Optional[float]) -> list[str]:
     if gib is not None:
         return ["hardware.vram_limit_gib: only meaningful with hardware.device cuda; set it to null"]
     return []
+
+
+def offload_ratio(ratio: float) -> list[str]:
+    """DeepSpeed's partial offload keeps sub-groups on the accelerator; on the CPU accelerator that
+    is the host too, so every group would step with CPU Adam and the ratio would do nothing."""
+    if ratio < 1:
+        return [f"zero.offload_ratio: {ratio} keeps part of the optimizer on a GPU; on CPU every "
+                "sub-group is on the host already (it would change nothing): set it to 1.0"]
+    return []

@@ -459,7 +459,7 @@ def _check(cfg: Config) -> list[str]:
     if h.device == "cpu":  # device auto resolving to cpu: the same rules, in hardware.resolve
         p += (cpu_rules.precision(cfg.precision) + cpu_rules.checkpointing(cfg.checkpointing.mode)
               + cpu_rules.attention(cfg.kernels.attention) + cpu_rules.liger(cfg.kernels.liger)
-              + cpu_rules.vram_limit(h.vram_limit_gib))
+              + cpu_rules.vram_limit(h.vram_limit_gib) + cpu_rules.offload_ratio(cfg.zero.offload_ratio))
     return p
 
 

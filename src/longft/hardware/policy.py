@@ -56,6 +56,9 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     put("checkpointing", resolve_checkpointing(cfg, device))
     put("host_grad_buffer", resolve_host_grad_buffer(cfg, precision))
     problems.extend(check_vram_limit(cfg, hw, device))
+    if device == "cpu" and cfg.hardware.device == "auto":
+        problems.extend(m + " (device auto found no CUDA GPU here)"
+                        for m in cpu_rules.offload_ratio(cfg.zero.offload_ratio))
     if problems:
         raise PlanError(problems)
     return out
