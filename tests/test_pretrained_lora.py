@@ -39,6 +39,10 @@ def test_pretrained_model_with_lora_trains_and_exports_an_adapter(tmp_path, byte
     assert plan["model"]["n_trainable"] == 2 * 4 * ((64 + 64) + (64 + 32))  # 2 layers, q and v
     rows = [json.loads(x) for x in (tmp_path / "run/rank0.jsonl").read_text().splitlines()]
     assert rows[-1] == {**rows[-1], "type": "end", "status": "complete", "steps": 4}
+    # the adapters train in the run's precision (bf16 on CPU), not peft's fp32 upcast
+    env = next(r for r in rows if r["type"] == "env")
+    assert plan["resolved"]["precision"]["value"] == "bf16"
+    assert env["trainable_dtypes"] == ["bfloat16"], env["trainable_dtypes"]
 
     export = tmp_path / "export"
     assert json.loads((export / "longft_export.json").read_text())["kind"] == "lora_adapter"
