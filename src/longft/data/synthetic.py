@@ -139,7 +139,9 @@ def synthetic_sample(index: int, seed: int, max_len: int,
         return build_messages(docs, target_index(k), fact)
 
     def target_index(k: int) -> int:
-        return round(where_frac * k)
+        # uniform over the k + 1 places (round(u * k) made the first and last half as likely, so
+        # always citing a middle document beat the 1 / documents chance the retrieval score reports)
+        return min(k, int(where_frac * (k + 1)))
 
     n0 = count_tokens(messages(0))
     if n0 > max_len:
