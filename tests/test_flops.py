@@ -159,3 +159,18 @@ def test_mfu_arithmetic():
     assert mfu(None, 6e9, 2, 1e12) is None
     assert mfu(1000.0, None, 2, 1e12) is None
     assert mfu(1000.0, 6e9, 0, 1e12) is None
+
+
+def test_lora_skips_the_frozen_weights_gradient_matmuls():
+    # Llama-3.2-1B at 16K, LoRA rank 8 on all 7 projections: 16 layers x 8 x (in + out) each
+    r, h, kv, f = 8, 2048, 8 * 64, 8192
+    lora = 16 * r * ((h + h) + (h + kv) + (h + kv) + (h + h) + (h + f) + (h + f) + (f + h))
+    assert lora == 5_636_096
+    full = flops_per_token(LLAMA32_1B, 16384)
+    fwd = flops_per_token(LLAMA32_1B, 16384, training=False)
+    attention_fwd = fwd - 2 * 1_235_746_816
+    # forward, activation gradients (as much again), attention's backward beyond them (its dQ, dK,
+    # dV: one more attention forward) and the adapters' own 6 FLOPs a parameter
+    assert flops_per_token(LLAMA32_1B, 16384, lora_params=lora) == 2 * fwd + attention_fwd + 6 * lora
+    assert flops_per_token(LLAMA32_1B, 16384, lora_params=lora) == full - 2 * 1_235_746_816 + 6 * lora
+    assert 0.7 < flops_per_token(LLAMA32_1B, 16384, lora_params=lora) / full < 0.8

@@ -14,6 +14,8 @@ FLOPs per token of a decoder-only transformer (one multiply-add = 2 FLOPs), with
   per token                  F_fwd = 2 * P_mm + 2*L*S*d*a
   training                   3 * F_fwd (backward = 2 x forward); activation recompute is NOT
                              counted, so MFU is *model* FLOPs utilisation, not hardware utilisation.
+  training with LoRA         3 * F_fwd - 2 * P_mm + 6 * P_lora (frozen weights get no gradient
+                             matmul; the adapters' own P_lora parameters train as usual)
 
 Embedding lookups, norms, rotary embeddings, activations and the softmax are left out (they are
 O(h) per token, not O(h^2)). With S << 6h this is close to the familiar 6 * n_params; at 128K tokens
@@ -71,13 +73,22 @@ def attention_flops(cfg: Any, seq_len: float) -> float:
     return 2 * seq_len * n["head_dim"] * n["num_attention_heads"]
 
 
-def flops_per_token(cfg: Any, seq_len: float, training: bool = True) -> float:
-    """Model FLOPs per token (formula in the module docstring); x3 for a training step."""
+def flops_per_token(cfg: Any, seq_len: float, training: bool = True,
+                    lora_params: Optional[int] = None) -> float:
+    """Model FLOPs per token (formula in the module docstring); x3 for a training step.
+
+    `lora_params` (LoRA: the adapters' trainable parameter count): the frozen weights' gradients
+    are never computed, so a training step is 3 x forward - 2 x P_mm (no weight-gradient matmuls)
+    plus the adapters' own 6 x lora_params; the activations' gradients are still all needed."""
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     n = _config_numbers(cfg)
     forward = 2 * matmul_params(cfg) + n["num_hidden_layers"] * attention_flops(cfg, seq_len)
-    return float(3 * forward if training else forward)
+    if not training:
+        return float(forward)
+    if lora_params is not None:
+        return float(3 * forward - 2 * matmul_params(cfg) + 6 * lora_params)
+    return float(3 * forward)
 
 
 # Dense peak TFLOPS (tensor cores where the dtype has them), from NVIDIA datasheets; values printed

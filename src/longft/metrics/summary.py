@@ -267,7 +267,8 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
     fpt = None
     if plan is not None and attn_len:
         try:
-            fpt = flops_per_token(plan.model_config, attn_len)
+            lora = plan.model.n_trainable if env_rec.get("lora_rank") else None
+            fpt = flops_per_token(plan.model_config, attn_len, lora_params=lora)
         except (TypeError, ValueError) as e:
             log.warning("no FLOPs per token: %s", e)
     peak = peak_flops(env_rec.get("gpu_name"), env_rec.get("precision") or "")
