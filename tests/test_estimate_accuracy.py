@@ -16,16 +16,32 @@ def _bench_rows():
     """Rows measured with the current engine (bench/results/*.json; bench/results/archive/ holds
     rows of earlier engines) that ran to the end on an H200."""
     rows = []
-    for p in sorted(q for pat in ("h200*.json", "v100*.json")
-                    for q in (REPO / "bench" / "results").glob(pat)):
+    for p in sorted((REPO / "bench" / "results").glob("*.json")):
         row = json.loads(p.read_text())
-        if row.get("status") == "ok" and "tiny" not in row["params"]["model"]["name"]:
+        gpu = ((row.get("env") or {}).get("gpu_name") or "") if isinstance(row, dict) else ""
+        if (row.get("status") == "ok" and ("H200" in gpu or "V100" in gpu)
+                and "tiny" not in row["params"]["model"]["name"] and p.name not in EARLIER_ENGINE):
             rows.append(p)
     return rows
 
 
+# Rows in bench/results (a sweep grid's report reads them there) measured with an engine that has
+# changed since for what they measure: the LoRA rows of bench/grids/q3-lora.yaml ran at 7a8482e with
+# peft's fp32 adapters (each LoRA module copied its input to fp32: +5 GiB); the estimator predicts
+# the adapters in the training dtype that trainer._build now asks for.
+EARLIER_ENGINE = {"q3-1b-16k-lora8.json", "q3-1b-16k-lora64.json"}
+
 # Known misses (issue 6), strict: fixing one turns its test red.
 KNOWN_MISSES = {
+    # Parameters offloaded to the CPU at small micro-batches (issue 22's q1 grid, 7a8482e): about
+    # 0.77 GiB allocated and 2.5-3 GiB reserved that the estimate lacks, the same at every
+    # micro-batch (at 16 and 48 the rows are within 2 %); not yet itemised (ZeRO-3's fetch buffers
+    # of the offloaded parameters are the suspect).
+    ("1b-16k-offload-mb1.json", "vram_max_allocated"),
+    ("1b-16k-offload-mb1.json", "vram_max_reserved"),
+    ("1b-16k-offload-mb1.json", "vram_nvml_used"),
+    ("1b-16k-offload-mb4.json", "vram_max_reserved"),
+    ("1b-16k-offload-mb4.json", "vram_nvml_used"),
     # Uncapped, DeepSpeed's side-stream pools cache 82 GiB reserved for 35 GiB allocated; capped at
     # 40 GiB (the cap40 row) the allocator flushes them and the run fits at the same speed.
     ("h200-8b-128k-offload.json", "vram_max_reserved"),
