@@ -3,7 +3,7 @@
 # device call (10 minutes) keeps running while later calls poll it.
 #
 #   bash scripts/gpu_background.sh start [gpu_suite.sh args ...]   # copies the tree, starts, polls
-#   bash scripts/gpu_background.sh wait                             # polls; copies results to $OUT
+#   bash scripts/gpu_background.sh wait                             # polls; packs $OUT/gpu-out.tgz
 #
 # The tree is copied to /tmp/longft-gpu/repo first, so a later call's sync of the working tree
 # cannot change the code under a running suite. Each call polls for up to POLL_S seconds (570).
@@ -23,9 +23,10 @@ done
 tail -c 6000 "$W/log"
 if [ -f "$W/rc" ]; then
   echo "gpu_background: finished, rc $(cat "$W/rc")"
-  [ -n "${OUT:-}" ] && cp -r "$W/out/." "$OUT/" && cp "$W/log" "$OUT/suite.log"
 else
   echo "gpu_background: still running"
-  [ -n "${OUT:-}" ] && mkdir -p "$OUT/partial" && cp -r "$W/out/." "$OUT/partial/" 2>/dev/null
 fi
+# one file back: the device tool returns at most 8 files a call (results, logs and the test log
+# are more); unpack with tar xzf gpu-out.tgz (what exists so far, also while it runs)
+[ -n "${OUT:-}" ] && cp "$W/log" "$W/out/suite.log" && tar czf "$OUT/gpu-out.tgz" -C "$W" out
 exit 0

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go: the gpu-marked tests, then benchmark rows.
 #
-#   bash scripts/gpu_suite.sh [--no-tests] [overlay.yaml ...] [--max-context overlay.yaml GiB ...]
+#   bash scripts/gpu_suite.sh [--no-tests] [overlay.yaml ...] [--grid GRID.yaml ...] \
+#       [--max-context overlay.yaml GiB ...]
 #
+# --grid: every row of a sweep grid (bench/grids/), in the grid's order, as an overlay (`longft
+# sweep GRID --overlays`); a row named in an earlier grid or overlay runs once.
 # --max-context: after the rows, `longft max-context --confirm` for each overlay (merged onto
 # params.yaml) at a GPU budget of GiB (a smaller card emulated with hardware.vram_limit_gib);
 # the report goes to $OUT/results/<overlay>-<GiB>gib-maxctx.json.
@@ -35,10 +38,26 @@ while [ $# -gt 0 ]; do
   if [ "$1" = "--max-context" ]; then
     [ $# -ge 3 ] || { echo "gpu_suite: --max-context needs an overlay and a GiB budget" >&2; exit 2; }
     maxctx+=("$2" "$3"); shift 3
+  elif [ "$1" = "--grid" ]; then
+    [ $# -ge 2 ] || { echo "gpu_suite: --grid needs a grid file" >&2; exit 2; }
+    dir=/tmp/longft-grid/$(basename "$2" .yaml)
+    rm -rf "$dir"
+    mapfile -t grid_rows < <(python3 -m longft.cli sweep "$2" --overlays "$dir") || exit 2
+    [ ${#grid_rows[@]} -gt 0 ] || { echo "gpu_suite: $2 has no rows" >&2; exit 2; }
+    rows+=("${grid_rows[@]}"); shift 2
   else
     rows+=("$1"); shift
   fi
 done
+# one run per row name (grids share their baseline rows)
+declare -A seen=() && uniq=()
+for r in ${rows[@]+"${rows[@]}"}; do
+  n=$(basename "$r" .yaml); [ -n "${seen[$n]:-}" ] && continue; seen[$n]=1; uniq+=("$r")
+done
+rows=(${uniq[@]+"${uniq[@]}"})
+if [ -n "${GPU_SUITE_DRY:-}" ]; then  # list what would run, run nothing
+  printf 'row %s\n' ${rows[@]+"${rows[@]}"}; exit 0
+fi
 if [ ${#rows[@]} -gt 0 ]; then
   python3 scripts/bench.py "${rows[@]}" --commit "${LONGFT_COMMIT:-unknown}" --results "$OUT/results" || rc=1
 fi
