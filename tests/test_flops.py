@@ -174,3 +174,17 @@ def test_lora_skips_the_frozen_weights_gradient_matmuls():
     assert flops_per_token(LLAMA32_1B, 16384, lora_params=lora) == 2 * fwd + attention_fwd + 6 * lora
     assert flops_per_token(LLAMA32_1B, 16384, lora_params=lora) == full - 2 * 1_235_746_816 + 6 * lora
     assert 0.7 < flops_per_token(LLAMA32_1B, 16384, lora_params=lora) / full < 0.8
+
+
+def test_the_plan_ranks_lora_by_lora_flops():
+    import dataclasses
+
+    from longft.estimate.placement import step_seconds
+    from longft.estimate.types import Setup
+
+    arch = json.loads((MODELS / "llama3.2-1b.json").read_text())
+    full = Setup(micro_batch=4, seq_len=16384, liger=True, checkpointing="gpu")
+    lora = dataclasses.replace(full, lora_rank=8, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"))
+    ratio = step_seconds(arch, lora, "NVIDIA H200") / step_seconds(arch, full, "NVIDIA H200")
+    assert 0.7 < ratio < 0.85   # the frozen weights' gradient matmuls are skipped

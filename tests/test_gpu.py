@@ -323,8 +323,8 @@ def _losses_of(params_over: dict, work) -> tuple[list[float], dict]:
 
 def test_offload_ratio_trains_like_full_offload(tmp_path):
     """zero.offload_ratio 0.5: half the optimizer's sub-groups step on the GPU (torch AdamW), the
-    rest with CPU Adam; the losses equal full offload's (the same fp32 Adam), and the GPU really
-    holds the GPU share (more allocated than with full offload)."""
+    rest with CPU Adam; the losses equal full offload's (the same fp32 Adam), and DeepSpeed really
+    put half the sub-groups on the GPU (its own subgroup_to_device, in the env record)."""
     full, env_full = _losses_of({}, tmp_path / "full")
     part, env_part = _losses_of({"zero": {"offload_ratio": 0.5}}, tmp_path / "half")
     assert env_part["offload_ratio"] == 0.5 and env_full["offload_ratio"] == 1.0

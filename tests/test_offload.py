@@ -10,8 +10,8 @@ from longft.model.checkpoint_offload import OffloadHooks
 class CpuHooks(OffloadHooks):
     """Treat CPU tensors as 'device' tensors so the mechanics run without a GPU."""
 
-    def __init__(self):
-        super().__init__(min_bytes=1024, pin_memory=False)
+    def __init__(self, prefetch: bool = True):
+        super().__init__(min_bytes=1024, pin_memory=False, prefetch=prefetch)
         self.stream = None
         self.unpacked = []
 

@@ -87,7 +87,7 @@ def test_eval_loss_falls_and_the_retrieval_score_sees_learned_citations(tmp_path
     engine = PlainEngine(model)
     ev = Evaluator.open(tmp_path / "p", model, 0, 1, 6, 0, False)
     chance = sum(1 / s["num_docs"] for s in ev.samples) / len(ev.samples)
-    assert chance < 0.3  # five documents and more a sample
+    assert chance < 0.25  # five documents and more a sample
     before = ev.run(engine, 0, Log())
 
     train(model, [r for r in PreparedDataset(tmp_path / "p")], steps=40, lr=3e-3)

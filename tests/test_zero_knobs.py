@@ -43,6 +43,13 @@ def test_knobs_that_cannot_apply_are_refused_with_the_fix(params, needle):
         from_dict(params)
 
 
+def test_every_checkpointing_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        from_dict({"checkpointing": {"mode": "none", "keep_attention": 2, "prefetch": False}})
+    assert "keep_attention: 2 needs checkpointing" in str(e.value)
+    assert "prefetch: false applies only" in str(e.value)
+
+
 def test_ds_config_defaults_scale_with_the_width_and_each_knob_replaces_its_default():
     z = ds_config.build(from_dict({}), "bf16", 2048)["zero_optimization"]
     assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"],
@@ -102,17 +109,11 @@ def test_checkpoint_prefetch_off_holds_one_checkpoint_fewer_on_the_gpu():
     assert off["activation checkpoints: in use (no prefetch)"] == ckpt
 
 
-class NoPrefetchHooks(CpuHooks):
-    def __init__(self):
-        super().__init__()
-        self.prefetch = False
-
-
 def test_hooks_without_prefetch_bring_each_tensor_back_on_demand_with_identical_gradients():
     model = tiny_model()
     ids = torch.randint(1, 300, (1, 256))
     _, g_ref = grads(model, ids)
-    hooks = NoPrefetchHooks()
+    hooks = CpuHooks(prefetch=False)
     _, g = grads(model, ids, hooks)
     for n in g_ref:
         assert torch.equal(g[n], g_ref[n]), n

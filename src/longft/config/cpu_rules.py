@@ -56,7 +56,7 @@ def vram_limit(gib: Optional[float]) -> list[str]:
 def offload_ratio(ratio: float) -> list[str]:
     """DeepSpeed's partial offload keeps sub-groups on the accelerator; on the CPU accelerator that
     is the host too, so every group would step with CPU Adam and the ratio would do nothing."""
-    if ratio < 1:
+    if 0 < ratio < 1:   # out of (0, 1] is the params check's own message
         return [f"zero.offload_ratio: {ratio} keeps part of the optimizer on a GPU; on CPU every "
                 "sub-group is on the host already (it would change nothing): set it to 1.0"]
     return []

@@ -437,13 +437,13 @@ def _check(cfg: Config) -> list[str]:
     k = cfg.checkpointing.keep_attention
     if k < 0:
         p.append(f"checkpointing.keep_attention: must be >= 0, got {k}")
+    elif k > 0 and cfg.checkpointing.mode == "none":
+        p.append(f"checkpointing.keep_attention: {k} needs checkpointing (mode auto, gpu or "
+                 "cpu_offload): with mode none nothing is recomputed; set it to 0")
     if not cfg.checkpointing.prefetch and cfg.checkpointing.mode != "cpu_offload":
         p.append(f"checkpointing.prefetch: false applies only to checkpointing.mode cpu_offload "
                  f"(it is {cfg.checkpointing.mode}: no checkpoint comes back from the host); "
                  "set prefetch: true or mode: cpu_offload")
-    elif k > 0 and cfg.checkpointing.mode == "none":
-        p.append(f"checkpointing.keep_attention: {k} needs checkpointing (mode auto, gpu or "
-                 "cpu_offload): with mode none nothing is recomputed; set it to 0")
     if cfg.output.checkpoint_every < 0:
         p.append(f"output.checkpoint_every: must be >= 0 (0 = off), got {cfg.output.checkpoint_every}")
     if cfg.output.keep_last < 1:

@@ -79,7 +79,8 @@ def _build(cfg: Config, plan: Plan, ds: dict):
         from peft import LoraConfig, get_peft_model
         # Adapters in the training dtype: peft's default upcasts them to fp32, and DeepSpeed never
         # casts parameters of a zero.Init model, so each LoRA module copied its input to fp32 for
-        # an fp32 matmul (Llama-3.2-1B, 16K x 4 on the H200: +5.0 GiB and -28 % tok/s, BENCHMARKS.md).
+        # an fp32 matmul (seen on CPU; on the H200 the unfixed LoRA rows used 5 GiB more than the
+        # estimate, about those copies, and ran slower than full finetuning: BENCHMARKS.md).
         # DeepSpeed's optimizer keeps the fp32 master copy of the adapters either way.
         model = get_peft_model(model, LoraConfig(
             r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from longft.estimate.arch import trainable_numels
 from longft.estimate.estimator import GIB, Estimate, Fit, Setup, estimate, fits, param_numels
 from longft.hardware.policy import why_not_shared_grad_buffer as why_not
 from longft.model.attention import fused_kernel
@@ -50,7 +51,8 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     P_r = sum(n for _, n in param_numels(arch)) / s.world_size
     peak = peak_flops(gpu_name, s.precision) or UNKNOWN_PEAK_FLOPS
     recompute = 1.0 if s.checkpointing == "none" else 4 / 3
-    micro = T * flops_per_token(arch, s.seq_len) * recompute / (ACHIEVED_FRACTION * peak)
+    lora = sum(trainable_numels(arch, s)) if s.lora_rank else None  # no frozen weights' gradients
+    micro = T * flops_per_token(arch, s.seq_len, lora_params=lora) * recompute / (ACHIEVED_FRACTION * peak)
     micro *= 1 + MICRO_OVERHEAD_TOKENS / T
     skipped = skips_recompute(s.checkpointing, arch.get("model_type"))
     if s.checkpointing != "none" and s.keep_attention:  # their attention forward runs once

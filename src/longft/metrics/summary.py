@@ -17,6 +17,7 @@ Aggregation (warm-up steps, `timed: false`, are left out of every speed number):
   epochs         passes over the prepared rows made by the last step (the "epoch" of its record).
   mfu            tokens_per_s x flops_per_token(model_config, seq_len) / (world_size x dense peak
                  FLOPS of gpu_name at the run's precision); null when the GPU is unknown or CPU.
+                 With LoRA the FLOPs are LoRA's own (no gradients of the frozen weights).
   gpu_util_mean_pct  NVML utilisation (memory.csv) averaged over the samples taken during the
                  timed steps and over the GPUs; model load and set-up are left out.
   status         "complete" only when every rank wrote {"type": "end", "status": "complete"}.

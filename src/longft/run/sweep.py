@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from longft.atomic import write_text
-from longft.config.grid import NAME_RE, GridError, GridRow, parse_grid  # noqa: F401 (re-exported)
+from longft.config.grid import NAME_RE, GridError, GridRow, parse_grid, read_raw  # noqa: F401 (re-exported)
 from longft.config.grid import nest as _nest
 from longft.config.params import ConfigError, from_dict, merge
 from longft.config.typed_yaml import DuplicateKeyError, load_yaml
@@ -61,16 +61,16 @@ def load(grid_path: Path, base_path: Path = Path("params.yaml"),
     """Read, select (`only`: name globs) and validate a grid; raise SweepError listing all
     problems."""
     try:
-        # the strict loader, as params.load: a key given twice is refused, never the last one kept
-        where = grid_path
-        raw = load_yaml(Path(grid_path).read_text())
-        where = base_path
+        raw = read_raw(grid_path)   # the strict loader: a key given twice is refused
+    except GridError as e:
+        raise SweepError(e.problems, str(grid_path)) from None
+    try:
         base = load_yaml(Path(base_path).read_text()) or {}
     except DuplicateKeyError as e:
-        raise SweepError([e.problem], str(where)) from None
+        raise SweepError([e.problem], str(base_path)) from None
     except (OSError, yaml.YAMLError) as e:
         hint = "" if Path(base_path).is_file() else f" (run from the folder with {base_path})"
-        raise SweepError([f"{e}{hint}"], str(grid_path)) from None
+        raise SweepError([f"{e}{hint}"], str(base_path)) from None
     rows, problems = parse_grid(raw)
     if only:
         rows = [r for r in rows if r.name and any(fnmatch.fnmatchcase(r.name, p) for p in only)]
