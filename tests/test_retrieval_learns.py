@@ -28,6 +28,7 @@ Either part fails if training were broken (lr 0, labels lost, the eval reading t
 import time
 from collections import Counter
 
+import pytest
 import torch
 
 from longft.config.params import from_dict
@@ -76,6 +77,7 @@ def train(model, rows, steps, lr, seed=0, batch=4):
         opt.step()
 
 
+@pytest.mark.slow
 def test_eval_loss_falls_and_the_retrieval_score_sees_learned_citations(tmp_path):
     t0 = time.perf_counter()
     cfg = from_dict({"data": {"num_samples": 48, "eval_samples": 6, "max_seq_length": 1024,
