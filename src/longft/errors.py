@@ -12,3 +12,12 @@ class UserError(Exception):
     also keeps the builtin base it had before (ValueError, RuntimeError), so older `except` clauses
     still catch it.
     """
+
+
+class ProblemsError(UserError):
+    """A UserError that lists every problem found in one source (a params or grid file)."""
+
+    def __init__(self, problems: list[str], source: str):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{len(problems)} problem(s) in {source}:\n{lines}")

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import yaml
 
 from longft.config.typed_yaml import DuplicateKeyError, load_yaml
-from longft.errors import UserError
+from longft.errors import ProblemsError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """Experiment names that are valid git ref components and need no shell quoting."""
@@ -31,13 +31,8 @@ META_KEY = "report"
 META_FIELDS = ("x", "series")
 
 
-class GridError(UserError, ValueError):
+class GridError(ProblemsError, ValueError):
     """Problems in a grid file; the message lists every one."""
-
-    def __init__(self, problems: list[str], source: str):
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{len(problems)} problem(s) in {source}:\n{lines}")
 
 
 @dataclass(frozen=True)

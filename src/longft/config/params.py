@@ -16,16 +16,14 @@ import yaml
 
 from longft.config import cpu_rules
 from longft.config.typed_yaml import DuplicateKeyError, build_dataclass, load_yaml
-from longft.errors import UserError
+from longft.errors import ProblemsError
 
 
-class ConfigError(UserError, ValueError):
+class ConfigError(ProblemsError, ValueError):
     """One or more problems in params.yaml; the message lists each with its key and a fix."""
 
     def __init__(self, problems: list[str], source: str = "params.yaml"):
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{len(problems)} problem(s) in {source}:\n{lines}")
+        super().__init__(problems, source)
 
 
 @dataclass(frozen=True)
