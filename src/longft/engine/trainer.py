@@ -20,7 +20,7 @@ from typing import Any
 from longft.config.params import Config
 from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
-from longft.engine import checkpoint, ds_config, grad_buffer, sequence_parallel, stop
+from longft.engine import checkpoint, ds_config, grad_buffer, partial_offload, sequence_parallel, stop
 from longft.engine.batches import (
     PASSES_BOUNDARIES,
     SkipFirst,
@@ -324,6 +324,10 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
         batches = sp.shard(batches, pad_id, engine.device)
     if plan.resolved.host_grad_buffer.value == "shared":
         _share_grad_slot(engine, rank)
+    if cfg.zero.offload_ratio < 1 and partial_offload.follow_schedule(engine.optimizer) and rank == 0:
+        print("longft: zero.offload_ratio: the optimizer's GPU sub-groups follow the LR schedule "
+              "(DeepSpeed's own GPU AdamW keeps the first step's lr; engine/partial_offload.py)",
+              flush=True)
     if cuda:
         # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
         # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
