@@ -89,7 +89,7 @@ def _run_worker(monkeypatch, plan_files: Path, run_dir: Path, error: BaseExcepti
     """The worker's `_main` with a set-up that builds nothing and a first step that raises."""
     import torch
 
-    from longft.engine import trainer, worker
+    from longft.engine import train_step, trainer, worker
 
     session = trainer.Session(engine=object(), model=torch.nn.Linear(1, 1), keep=None,
                               offloader=None, batches=iter(()), pad_id=-1, fingerprint="fp",
@@ -101,7 +101,7 @@ def _run_worker(monkeypatch, plan_files: Path, run_dir: Path, error: BaseExcepti
     def step(*a, **k):
         raise error
 
-    monkeypatch.setattr(trainer, "_step", step)
+    monkeypatch.setattr(train_step, "run", step)
     return worker._main(["--params", str(plan_files / "params.yaml"),
                          "--plan", str(plan_files / "plan.json"),
                          "--ds-config", str(plan_files / "ds_config.json"),

@@ -28,7 +28,7 @@ def _bench_rows():
 # Rows in bench/results (a sweep grid's report reads them there) measured with an engine that has
 # changed since for what they measure: the LoRA rows of bench/grids/q3-lora.yaml ran at 7a8482e with
 # peft's fp32 adapters (each LoRA module copied its input to fp32: +5 GiB); the estimator predicts
-# the adapters in the training dtype that trainer._build now asks for.
+# the adapters in the training dtype that engine/build.py now asks for.
 EARLIER_ENGINE = {"q3-1b-16k-lora8.json", "q3-1b-16k-lora64.json"}
 
 # Known misses (issue 6), strict: fixing one turns its test red.

@@ -21,14 +21,14 @@ OVERLAY = {"data": {"num_samples": 4, "max_seq_length": 1024},
 # CUDA allocation does (torch.OutOfMemoryError from inside the step).
 DRIVER = """
 import sys, torch
-from longft.engine import trainer
-real, calls = trainer._step, []
+from longft.engine import train_step
+real, calls = train_step.run, []
 def step(*a, **k):
     calls.append(1)
     if len(calls) == 2:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     return real(*a, **k)
-trainer._step = step
+train_step.run = step
 from longft.engine.worker import main
 sys.exit(main(sys.argv[1:]))
 """

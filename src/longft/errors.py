@@ -21,3 +21,7 @@ class ProblemsError(UserError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{len(problems)} problem(s) in {source}:\n{lines}")
+
+
+class TrainingError(UserError, RuntimeError):
+    """Training cannot go on (engine/); the message says at which step and what to change."""

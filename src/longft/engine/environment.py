@@ -60,7 +60,7 @@ def environment(cfg: Config, plan: Plan, ds: dict | None = None, engine=None) ->
         "offload_ratio": cfg.zero.offload_ratio, "optimizer_states": cfg.zero.optimizer_states,
         "sub_group_size": cfg.zero.sub_group_size, "bind_cores": cfg.hardware.bind_cores,
         "optimizer_groups": optimizer_groups(engine),
-        # the dtypes the trained parameters run in (LoRA adapters: the training dtype, see trainer._build)
+        # the dtypes the trained parameters run in (LoRA adapters: the training dtype, see engine/build.py)
         "trainable_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in engine.module.parameters()
                                     if p.requires_grad}) if engine is not None else None,
         "offload_param": cfg.zero.offload_param, "world_size": cfg.world_size,

@@ -20,127 +20,33 @@ from typing import Any
 from longft.config.params import Config
 from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
-from longft.engine import checkpoint, ds_config, grad_buffer, partial_offload, sequence_parallel, stop
+from longft.engine import (
+    checkpoint,
+    ds_config,
+    grad_buffer,
+    partial_offload,
+    sequence_parallel,
+    stop,
+    train_step,
+)
 from longft.engine.batches import (
     PASSES_BOUNDARIES,
     SkipFirst,
-    doc_kwargs,
     micro_batches,
     micro_batches_per_epoch,
     passes,
-    real_tokens,
     steps_for_epochs,
 )
+from longft.engine.build import build
 from longft.engine.environment import environment
 from longft.engine.evaluate import Evaluator
 from longft.engine.export import export
-from longft.errors import UserError
+from longft.errors import TrainingError
 from longft.measure import live
 from longft.measure.progress import LayerProgress
 from longft.measure.runlog import RunLog
 from longft.model import attention
-from longft.model import patches as patch
-from longft.model.loading import build_model
 from longft.model.tiled_mlp import decoder_layers
-
-
-class TrainingError(UserError, RuntimeError):
-    """Training cannot go on; the message says at which step and what to change."""
-
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _build(cfg: Config, plan: Plan, ds: dict):
-    import torch
-
-    r = plan.resolved
-    dtype = getattr(torch, DTYPES[r.precision.value])
-    keep = None
-    if cfg.zero.stage == 3:
-        # While this object lives, from_config/from_pretrained create parameters inside
-        # deepspeed.zero.Init: each rank only ever holds its shard.
-        from transformers.integrations import HfDeepSpeedConfig
-        keep = HfDeepSpeedConfig(ds)
-    model = build_model(cfg.model, r.attention.value, dtype)
-    record = patch.apply(model, r.liger.value, r.checkpointing.value, r.sdpa_backend.value,
-                         r.tiled_mlp.value, cfg.kernels.tiled_mlp_tokens,
-                         cfg.checkpointing.keep_attention, r.packed_attention.value)
-    if record["replaced_modules"] != plan.patches.replaced_modules:
-        raise TrainingError(f"patched modules differ from the plan: {record['replaced_modules']} vs "
-                            f"{dict(plan.patches.replaced_modules)}; re-run `dvc repro patch`")
-    if r.liger.value and cfg.zero.stage == 3:
-        patch.zero3_gather_lm_head(model)
-    offloader = None
-    if r.checkpointing.value == "cpu_offload":
-        offloader = patch.offload_checkpoints(model, cfg.checkpointing.gpu_layers,
-                                              cfg.checkpointing.prefetch)
-    if cfg.lora.rank > 0:
-        from peft import LoraConfig, get_peft_model
-        # Adapters in the training dtype: peft's default upcasts them to fp32, and DeepSpeed never
-        # casts parameters of a zero.Init model, so each LoRA module copied its input to fp32 for
-        # an fp32 matmul (seen on CPU; on the H200 the unfixed LoRA rows used 5 GiB more than the
-        # estimate, about those copies, and ran slower than full finetuning: BENCHMARKS.md).
-        # DeepSpeed's optimizer keeps the fp32 master copy of the adapters either way.
-        model = get_peft_model(model, LoraConfig(
-            r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-            target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"),
-            autocast_adapter_dtype=False)
-    return model, keep, offloader
-
-
-def _step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False,
-          sp=None) -> dict:
-    """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer.
-    `packed`: hand each micro-batch's document boundaries to the attention. `sp`: a
-    sequence_parallel.SequenceParallel (each micro-step one slice of a row; the loss logged is
-    the whole row's mean), or None."""
-    fwd = bwd = 0.0
-    losses, tokens, offloaded, doc_sq = [], 0, 0, 0
-    skipped_before = engine.skipped_steps
-    t0 = now()
-    for micro in range(accum):
-        cpu_batch = next(batches)
-        if sp is not None:
-            n, sq = sp.counts(cpu_batch, cpu_batch["input_ids"].shape[1] * sp.size)
-        else:
-            n = real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
-            b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
-            docs, sq = doc_kwargs(cpu_batch, pad_id, engine.device, packed)
-        tokens, doc_sq = tokens + n, doc_sq + sq
-        a = now()
-        hooks = offloader.new_step() if offloader else None
-        if sp is not None:
-            loss, whole = sp.forward(engine, cpu_batch)
-        else:
-            loss = engine(input_ids=b["input_ids"], labels=b["labels"],
-                          position_ids=b["position_ids"], **docs).loss
-            whole = None
-        offloaded = max(offloaded, hooks.offloaded_bytes if hooks else 0)
-        c = now()
-        engine.backward(loss)
-        if micro < accum - 1:
-            engine.step()  # DeepSpeed only counts the micro-step here
-        d = now()
-        fwd, bwd = fwd + c - a, bwd + d - c
-        losses.append(loss.detach().float().item() if whole is None else whole)
-    lr = engine.get_lr()[0]  # the lr this optimizer step applies (engine.step() advances it)
-    e = now()
-    engine.step()
-    f = now()
-    return dict(loss=sum(losses) / len(losses), lr=lr, grad_norm=_grad_norm(engine), tokens=tokens,
-                time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
-                skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded,
-                doc_sq_tokens=doc_sq)
-
-
-def _grad_norm(engine) -> float | None:
-    """The global L2 norm of this step's gradients, before clipping (DeepSpeed computes it in its
-    optimizer step, under ZeRO-3 over all partitions, CPU offload included); None when the step
-    was skipped (fp16 overflow) or DeepSpeed did not compute one."""
-    n = engine.get_global_grad_norm()
-    n = float(n.item() if hasattr(n, "item") else n) if n is not None else None
-    return n if n is not None and math.isfinite(n) else None
 
 
 def _first_step_warnings(rec: dict, offloader, patches: Patches) -> None:
@@ -306,7 +212,7 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
 
     rank, world, cuda = _init_distributed(cfg, plan)
     loader, sampler, pad_id = _loader(cfg, data_dir, rank, world, cuda)
-    model, keep, offloader = _build(cfg, plan, ds)
+    model, keep, offloader = build(cfg, plan, ds)
     evaluator = Evaluator.open(data_dir, model, rank, world, cfg.train.micro_batch_size,
                                cfg.train.eval_every,
                                plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
@@ -411,10 +317,10 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
         with attention.context(plan.resolved.sdpa_backend.value):
             for step in bar:
                 progress.start_step(last_s)
-                rec = _step(s.engine, s.batches,
-                            cfg.grad_accum_steps * cfg.hardware.sequence_parallel, s.pad_id, now,
-                            s.offloader, plan.resolved.packed_attention.value in PASSES_BOUNDARIES,
-                            s.sp)
+                rec = train_step.run(s.engine, s.batches,
+                                     cfg.grad_accum_steps * cfg.hardware.sequence_parallel, s.pad_id,
+                                     now, s.offloader,
+                                     plan.resolved.packed_attention.value in PASSES_BOUNDARIES, s.sp)
                 progress.end_step()
                 last_s = rec["time_s"]
                 _log_step(s, cfg, plan, step, rec, log, bar)

@@ -1,0 +1,62 @@
+"""One optimizer step on one rank: its micro-steps (forward, backward), the optimizer step, and
+what the run log records of it (loss, lr, gradient norm, tokens, the time split)."""
+
+from __future__ import annotations
+
+import math
+
+from longft.engine.batches import doc_kwargs, real_tokens
+
+
+def run(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False,
+        sp=None) -> dict:
+    """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer.
+    `packed`: hand each micro-batch's document boundaries to the attention. `sp`: a
+    sequence_parallel.SequenceParallel (each micro-step one slice of a row; the loss logged is
+    the whole row's mean), or None."""
+    fwd = bwd = 0.0
+    losses, tokens, offloaded, doc_sq = [], 0, 0, 0
+    skipped_before = engine.skipped_steps
+    t0 = now()
+    for micro in range(accum):
+        cpu_batch = next(batches)
+        if sp is not None:
+            n, sq = sp.counts(cpu_batch, cpu_batch["input_ids"].shape[1] * sp.size)
+        else:
+            n = real_tokens(cpu_batch["input_ids"], cpu_batch["labels"], pad_id)
+            b = {k: v.to(engine.device, non_blocking=True) for k, v in cpu_batch.items()}
+            docs, sq = doc_kwargs(cpu_batch, pad_id, engine.device, packed)
+        tokens, doc_sq = tokens + n, doc_sq + sq
+        a = now()
+        hooks = offloader.new_step() if offloader else None
+        if sp is not None:
+            loss, whole = sp.forward(engine, cpu_batch)
+        else:
+            loss = engine(input_ids=b["input_ids"], labels=b["labels"],
+                          position_ids=b["position_ids"], **docs).loss
+            whole = None
+        offloaded = max(offloaded, hooks.offloaded_bytes if hooks else 0)
+        c = now()
+        engine.backward(loss)
+        if micro < accum - 1:
+            engine.step()  # DeepSpeed only counts the micro-step here
+        d = now()
+        fwd, bwd = fwd + c - a, bwd + d - c
+        losses.append(loss.detach().float().item() if whole is None else whole)
+    lr = engine.get_lr()[0]  # the lr this optimizer step applies (engine.step() advances it)
+    e = now()
+    engine.step()
+    f = now()
+    return dict(loss=sum(losses) / len(losses), lr=lr, grad_norm=grad_norm(engine), tokens=tokens,
+                time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
+                skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded,
+                doc_sq_tokens=doc_sq)
+
+
+def grad_norm(engine) -> float | None:
+    """The global L2 norm of this step's gradients, before clipping (DeepSpeed computes it in its
+    optimizer step, under ZeRO-3 over all partitions, CPU offload included); None when the step
+    was skipped (fp16 overflow) or DeepSpeed did not compute one."""
+    n = engine.get_global_grad_norm()
+    n = float(n.item() if hasattr(n, "item") else n) if n is not None else None
+    return n if n is not None and math.isfinite(n) else None
