@@ -14,7 +14,7 @@ from typing import Literal, Optional, Union
 
 import yaml
 
-from longft.config import cpu_rules
+from longft.config import checks
 from longft.config.typed_yaml import DuplicateKeyError, build_dataclass, load_yaml
 from longft.errors import ProblemsError
 
@@ -337,177 +337,6 @@ class Config:
 # --------------------------------------------------------------------------- parsing
 
 
-def _check(cfg: Config) -> list[str]:
-    """Ranges and combinations. Each message names the key and what to do."""
-    p: list[str] = []
-    d, t, o, h, z = cfg.data, cfg.train, cfg.optim, cfg.hardware, cfg.zero
-
-    def positive(key, v):
-        if v <= 0:
-            p.append(f"{key}: must be > 0, got {v}")
-
-    positive("data.max_seq_length", d.max_seq_length)
-    if d.num_samples is None:
-        if d.source in ("synthetic", "random"):
-            p.append(f"data.num_samples: required for source {d.source!r} (how many samples to "
-                     f"generate), got null")
-    elif d.num_samples <= 0:
-        p.append(f"data.num_samples: must be > 0, got {d.num_samples}"
-                 + ("" if d.source in ("synthetic", "random") else "; null reads every record"))
-    if d.eval_samples < 0:
-        p.append(f"data.eval_samples: must be >= 0 (0 = no held-out split), got {d.eval_samples}")
-    if t.eval_every < 0:
-        p.append(f"train.eval_every: must be >= 0 (0 = evaluate after the last step only), got "
-                 f"{t.eval_every}")
-    if d.source in ("jsonl", "parquet", "hf") and not d.path:
-        p.append(f"data.path: required for source {d.source!r} (a file or dataset name)")
-    for k in ("micro_batch_size", "global_batch_size", "log_every"):
-        positive(f"train.{k}", getattr(t, k))
-    if (t.iterations is None) == (t.epochs is None):
-        p.append(f"train.iterations ({t.iterations}) and train.epochs ({t.epochs}): set exactly one "
-                 f"of them and the other to null (iterations = optimizer steps, epochs = passes over "
-                 f"the prepared rows); e.g. -S train.iterations=null -S train.epochs=2")
-    if t.iterations is not None:
-        positive("train.iterations", t.iterations)
-    if t.epochs is not None:
-        positive("train.epochs", t.epochs)
-    if t.warmup_iterations < 0:
-        p.append(f"train.warmup_iterations: must be >= 0, got {t.warmup_iterations}")
-    elif t.iterations is not None and t.iterations > 0 and t.warmup_iterations >= t.iterations:
-        p.append(f"train.warmup_iterations ({t.warmup_iterations}) must be < train.iterations "
-                 f"({t.iterations}), or no iteration is timed")
-    if t.max_grad_norm < 0:
-        p.append(f"train.max_grad_norm: must be >= 0 (0 disables clipping), got {t.max_grad_norm}")
-    positive("hardware.num_gpus", h.num_gpus)
-    positive("hardware.num_nodes", h.num_nodes)
-    positive("hardware.sequence_parallel", h.sequence_parallel)
-    if h.sequence_parallel > 1 and h.num_gpus > 0 and h.num_gpus % h.sequence_parallel:
-        p.append(f"hardware.sequence_parallel ({h.sequence_parallel}) must divide hardware.num_gpus "
-                 f"({h.num_gpus}): a sequence is split over ranks of one node; e.g. set "
-                 f"sequence_parallel to a divisor of num_gpus")
-    if h.sequence_parallel > 1 and d.max_seq_length > 0 and d.max_seq_length % h.sequence_parallel:
-        p.append(f"data.max_seq_length ({d.max_seq_length}) must be a multiple of "
-                 f"hardware.sequence_parallel ({h.sequence_parallel}): each rank takes an equal "
-                 f"slice of the row; e.g. {d.max_seq_length // h.sequence_parallel * h.sequence_parallel}")
-    if h.num_nodes > 1 and not h.hostfile:
-        p.append("hardware.hostfile: required when hardware.num_nodes > 1 (lines `host slots=N`)")
-    if h.vram_limit_gib is not None and h.vram_limit_gib <= 0:
-        p.append(f"hardware.vram_limit_gib: must be > 0 or null, got {h.vram_limit_gib}")
-    if h.master_port != "auto" and not 1024 <= h.master_port <= 65535:
-        p.append(f"hardware.master_port: must be auto or a TCP port in 1024-65535 (below 1024 needs "
-                 f"root), got {h.master_port}")
-    if t.micro_batch_size > 0 and t.global_batch_size > 0 and h.num_gpus > 0 and h.num_nodes > 0:
-        per_step = t.micro_batch_size * cfg.world_size
-        if t.global_batch_size % per_step:
-            p.append(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                     f"train.micro_batch_size x GPUs ({t.micro_batch_size} x {cfg.world_size} = "
-                     f"{per_step}); e.g. set it to {max(per_step, t.global_batch_size // per_step * per_step)}")
-    if not 0 <= t.seed < 2**32:
-        p.append(f"train.seed: must be in 0 .. {2**32 - 1} (numpy and DeepSpeed take an unsigned "
-                 f"32-bit seed), got {t.seed}; set a seed in that range")
-    positive("optim.lr", o.lr)
-    if o.weight_decay < 0:
-        p.append(f"optim.weight_decay: must be >= 0, got {o.weight_decay}")
-    for i, b in enumerate(o.betas):
-        if b is not None and not 0 <= b < 1:
-            p.append(f"optim.betas[{i}]: must be in [0, 1), got {b}")
-    positive("optim.eps", o.eps)
-    if o.warmup_steps < 1:
-        p.append(f"optim.warmup_steps: must be >= 1, got {o.warmup_steps} (1 = no warm-up: "
-                 "the first step applies optim.lr)")
-    if not 0 <= o.min_lr_ratio <= 1:
-        p.append(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
-    if z.offload_param == "cpu" and z.stage != 3:
-        p.append("zero.offload_param: 'cpu' needs zero.stage 3 (ZeRO-2 keeps parameters on the GPU);"
-                 " set zero.stage: 3 or zero.offload_param: none")
-    p += _zero_problems(cfg)
-    if h.bind_cores and h.launcher != "deepspeed":
-        p.append("hardware.bind_cores: true needs hardware.launcher deepspeed (its "
-                 "--bind_cores_to_rank); set launcher: deepspeed or bind_cores: false")
-    if cfg.kernels.tiled_mlp_tokens < 1:
-        p.append(f"kernels.tiled_mlp_tokens: must be >= 1, got {cfg.kernels.tiled_mlp_tokens}")
-    g = cfg.checkpointing.gpu_layers
-    if g < 0:
-        p.append(f"checkpointing.gpu_layers: must be >= 0, got {g}")
-    elif g > 0 and cfg.checkpointing.mode != "cpu_offload":
-        p.append(f"checkpointing.gpu_layers: {g} only applies to checkpointing.mode cpu_offload "
-                 f"(mode is {cfg.checkpointing.mode}); set it to 0 or use cpu_offload")
-    k = cfg.checkpointing.keep_attention
-    if k < 0:
-        p.append(f"checkpointing.keep_attention: must be >= 0, got {k}")
-    elif k > 0 and cfg.checkpointing.mode == "none":
-        p.append(f"checkpointing.keep_attention: {k} needs checkpointing (mode auto, gpu or "
-                 "cpu_offload): with mode none nothing is recomputed; set it to 0")
-    if not cfg.checkpointing.prefetch and cfg.checkpointing.mode != "cpu_offload":
-        p.append(f"checkpointing.prefetch: false applies only to checkpointing.mode cpu_offload "
-                 f"(it is {cfg.checkpointing.mode}: no checkpoint comes back from the host); "
-                 "set prefetch: true or mode: cpu_offload")
-    if cfg.output.checkpoint_every < 0:
-        p.append(f"output.checkpoint_every: must be >= 0 (0 = off), got {cfg.output.checkpoint_every}")
-    if cfg.output.keep_last < 1:
-        p.append(f"output.keep_last: must be >= 1, got {cfg.output.keep_last}")
-    if cfg.lora.rank < 0:
-        p.append(f"lora.rank: must be >= 0 (0 = full finetuning), got {cfg.lora.rank}")
-    if cfg.lora.rank > 0:
-        positive("lora.alpha", cfg.lora.alpha)
-        if not cfg.lora.target_modules:
-            p.append("lora.target_modules: must name at least one module when lora.rank > 0")
-    if not 0 <= cfg.lora.dropout < 1:
-        p.append(f"lora.dropout: must be in [0, 1), got {cfg.lora.dropout}")
-    if h.device == "cpu":  # device auto resolving to cpu: the same rules, in hardware.resolve
-        p += (cpu_rules.precision(cfg.precision) + cpu_rules.checkpointing(cfg.checkpointing.mode)
-              + cpu_rules.attention(cfg.kernels.attention) + cpu_rules.liger(cfg.kernels.liger)
-              + cpu_rules.vram_limit(h.vram_limit_gib) + cpu_rules.offload_ratio(cfg.zero.offload_ratio))
-    return p
-
-
-def _zero_problems(cfg: Config) -> list[str]:
-    """The optimizer-placement knobs of the zero section (ratio, bf16 states, NVMe)."""
-    z, p = cfg.zero, []
-    if not 0 < z.offload_ratio <= 1:
-        p.append(f"zero.offload_ratio: must be in (0, 1], got {z.offload_ratio} (for none on the host "
-                 "set zero.offload_optimizer: none)")
-    elif z.offload_ratio < 1:
-        if z.offload_optimizer != "cpu":
-            p.append(f"zero.offload_ratio: {z.offload_ratio} splits the states between the GPU and CPU "
-                     f"Adam and needs zero.offload_optimizer: cpu (it is {z.offload_optimizer}); set "
-                     "offload_optimizer: cpu or offload_ratio: 1.0")
-        if z.stage != 3:
-            p.append(f"zero.offload_ratio: {z.offload_ratio} needs zero.stage 3 (DeepSpeed's partial "
-                     "offload exists only in ZeRO-3); set zero.stage: 3 or offload_ratio: 1.0")
-        if z.offload_param != "none":
-            p.append(f"zero.offload_ratio: {z.offload_ratio} with zero.offload_param: cpu is not "
-                     "supported (DeepSpeed's partial offload steps the GPU share against GPU weight "
-                     "partitions; untested with offloaded ones); use one or the other")
-    if z.offload_optimizer == "nvme":
-        if z.stage != 3:
-            p.append("zero.offload_optimizer: nvme needs zero.stage 3 (ZeRO-Infinity); set zero.stage: 3")
-        if not z.nvme_path:
-            p.append("zero.nvme_path: required with zero.offload_optimizer nvme (a directory on a "
-                     "fast local disk)")
-    elif z.nvme_path:
-        p.append(f"zero.nvme_path: {z.nvme_path!r} is used only with zero.offload_optimizer: nvme "
-                 f"(it is {z.offload_optimizer}); set it to null or offload_optimizer: nvme")
-    if z.optimizer_states == "bf16" and cfg.precision not in ("auto", "bf16"):
-        p.append(f"zero.optimizer_states: bf16 needs precision bf16 (it is {cfg.precision}); set "
-                 "precision: bf16 or optimizer_states: fp32")
-    if z.sub_group_size < 1:
-        p.append(f"zero.sub_group_size: must be >= 1, got {z.sub_group_size}")
-    for name in ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
-        v = getattr(z, name)
-        if v is not None and v < 1:
-            p.append(f"zero.{name}: must be >= 1 element, or null for longft's default, got {v}")
-    if z.stage != 3:
-        for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters"):
-            if getattr(z, name) is not None:
-                p.append(f"zero.{name}: a ZeRO-3 setting (stage3_{name}); zero.stage 2 would ignore "
-                         f"it: set it to null or zero.stage: 3")
-    if z.param_persistence_threshold is not None and z.param_persistence_threshold < 0:
-        p.append(f"zero.param_persistence_threshold: must be >= 0 elements (0: nothing persists), "
-                 f"or null for longft's default, got {z.param_persistence_threshold}")
-    return p
-
-
 def from_dict(raw: dict, source: str = "params.yaml") -> Config:
     """Build and validate a Config from a params mapping; raise ConfigError listing every problem."""
     problems: list[str] = []
@@ -517,7 +346,7 @@ def from_dict(raw: dict, source: str = "params.yaml") -> Config:
     cfg = build_dataclass(Config, raw, "", problems)
     # Fields with a bad type fell back to their (valid) defaults, so range and combination
     # checks still run and everything wrong is reported in one go.
-    problems += _check(cfg)
+    problems += checks.problems(cfg)
     if problems:
         raise ConfigError(problems, source)
     return cfg
