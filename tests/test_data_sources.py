@@ -149,7 +149,10 @@ def test_synthetic_is_deterministic_fills_the_context_and_cites_the_right_doc(by
         m = re.fullmatch(r"The (.+) of (\S+) is (\S+) \[doc (\d+)\]\.", answer)
         attribute, entity, value, doc = m.groups()
         docs = dict(re.findall(r"^\[doc (\d+)\] (.*)$", user, flags=re.M))
-        assert f"The {attribute} of {entity} is {value}." in docs[doc]
+        # the cited document states the answer verbatim, its own marker included (LongCite-shaped)
+        assert f"The {attribute} of {entity} is {value} [doc {doc}]." in docs[doc] and \
+            answer in docs[doc]
+        assert all(f"[doc {i}]." in d for i, d in docs.items())  # every document carries its marker
         assert sum(entity in d for d in docs.values()) == 1  # only the cited doc mentions it
         assert user.endswith(f"Question: What is the {attribute} of {entity}?")
 

@@ -50,10 +50,10 @@ def test_samples_json_spans_hold_the_cited_number_and_the_value(tmp_path, byte_t
         answer = byte_tokenizer.decode(ids[c - 20:b + 1])
         assert answer.endswith(f" is {byte_tokenizer.decode(ids[c:d])} [doc {s['cited_doc']}]")
         assert (labels[a:b] != -100).all() and (labels[c:d] != -100).all()
-        # the document it cites holds the value: "[doc N] ... is VALUE."
+        # the document it cites holds the value with its marker: "[doc N] ... is VALUE [doc N]."
         text = byte_tokenizer.decode(ids[s["offset"]:s["offset"] + s["length"]])
         doc = text.split(f"[doc {s['cited_doc']}] ")[1].split("\n")[0]
-        assert f" is {byte_tokenizer.decode(ids[c:d])}." in doc
+        assert f" is {byte_tokenizer.decode(ids[c:d])} [doc {s['cited_doc']}]." in doc
         assert 1 <= s["cited_doc"] <= s["num_docs"]
         assert s["position"] == pytest.approx((s["cited_doc"] - 1) / max(1, s["num_docs"] - 1),
                                               abs=1e-4)

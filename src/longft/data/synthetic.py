@@ -2,9 +2,12 @@
 
 Each sample is a chat: the user message holds many short documents, each stating facts about a
 made-up entity ("[doc 17] Kestrel-Alder is an observatory near Vellmoor. The code of Kestrel-Alder
-is 4821. ..."), then asks for one fact; the assistant answers with the value and cites the document
-("The code of Kestrel-Alder is 4821 [doc 17]."). Only one document mentions the asked entity, so
-the answer needs retrieval over the whole context. Documents are added until the tokenized sample
+is 4821 [doc 17]. ..."), then asks for one fact; the assistant answers with the value and cites the
+document ("The code of Kestrel-Alder is 4821 [doc 17]."). Only one document mentions the asked
+entity, so the answer needs retrieval over the whole context. As in LongCite, whose context
+sentences carry the citation markers its answers cite, each document's fact sentence carries its
+own marker "[doc N]", so the answer is a sentence of the context copied verbatim (the pattern
+induction heads learn) rather than a value joined to a header read tens of tokens earlier. Documents are added until the tokenized sample
 is as long as fits in max_seq_length: the length is measured with the real tokenizer (through
 `count_tokens`), guided by the tokens per document measured so far, so a sample takes a few
 tokenizations. Sample i depends only on (seed, i): the same seed gives identical data, and more
@@ -98,8 +101,12 @@ def _document(rng: random.Random, used: set[str]) -> tuple[Fact, str]:
     kind = rng.choice(_KINDS)
     article = "an" if kind[0] in "aeiou" else "a"
     text = (f"{entity} is {article} {kind} near {rng.choice(_PLACES)}. "
-            f"The {attribute} of {entity} is {fact.value}. {rng.choice(_FILLERS)}")
+            f"The {attribute} of {entity} is {fact.value} {_MARK}. {rng.choice(_FILLERS)}")
     return fact, text
+
+
+_MARK = "[doc #]"
+"""Where a document's own citation marker goes in its text; build_messages writes its id there."""
 
 
 def answer_spans(fact: Fact, target: int) -> tuple[str, tuple[int, int], tuple[int, int]]:
@@ -114,7 +121,8 @@ def answer_spans(fact: Fact, target: int) -> tuple[str, tuple[int, int], tuple[i
 
 def build_messages(docs: list[str], target: int, fact: Fact) -> list[dict]:
     """The chat for documents `docs` where docs[target] states `fact` (ids count from 1)."""
-    body = "\n".join(f"[doc {i + 1}] {d}" for i, d in enumerate(docs))
+    body = "\n".join(f"[doc {i + 1}] {d.replace(_MARK, f'[doc {i + 1}]')}"
+                     for i, d in enumerate(docs))
     question = f"What is the {fact.attribute} of {fact.entity}?"
     user = (f"Read the {len(docs)} documents below, then answer the question. Cite the document "
             f"you used as [doc N].\n\n{body}\n\nQuestion: {question}")
