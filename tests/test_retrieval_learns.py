@@ -21,7 +21,21 @@ score sat at the prior and the asked value (copied from the document, chance ~0)
 shorter rows) at 256-320 tokens, 2-4 layers: 44-48 % against priors of 42-50 % after 300-400 steps
 of 16-32 rows (1-3 min). The held-out citation needs the value copied from the right document
 first (an induction over a multi-token entity) and then that document's header read: neither
-formed. README, "Does the finetune work?", has the table.
+formed.
+
+Since 2026-12-01 each document's fact sentence carries its own marker ("The badge of X is FA-461
+[doc 3]."), as LongCite's context sentences do, so the answer is a context sentence copied
+verbatim and the cited number the continuation of a string that occurs once: an induction copy.
+Measured with it (BPE 512 or 1024 trained on the generator's text, every training row a fresh
+sample, 150-200 held-out samples, 2 shared CPU cores under load 2-4.5): 2x128 at 512 and 384
+tokens (4-7 documents), 200-500 steps of 16, lr 3e-3: 11-29 % against chance 15-24 % and best
+fixed guesses 21-30 %; 2x64 at lr 1e-2 with 5-6 documents in 320 tokens, 800-1200 steps of 8-16
+(also with "[doc N]" one token, a one-step induction after the value): 11-25 % against 17-18 % /
+20-25 %; 2x128 with it at 256 tokens (4-5 documents), 1000 steps of 16, lr 3e-3: 19-32 % against
+25 / 31 %; 2x64 at 256 tokens (2 documents), 800 and 1400 steps of 16: 50-66 % against 51 / 53 %,
+the one 66 % (best of eight evals) not repeated by the longer run. The asked value stayed at 0-0.7 %
+throughout: no induction copy formed in 3-10 minutes of CPU, so the held-out test is still open.
+README, "Does the finetune work?", has both tables.
 Either part fails if training were broken (lr 0, labels lost, the eval reading the wrong tokens).
 """
 

@@ -7,11 +7,11 @@ document ("The code of Kestrel-Alder is 4821 [doc 17]."). Only one document ment
 entity, so the answer needs retrieval over the whole context. As in LongCite, whose context
 sentences carry the citation markers its answers cite, each document's fact sentence carries its
 own marker "[doc N]", so the answer is a sentence of the context copied verbatim (the pattern
-induction heads learn) rather than a value joined to a header read tens of tokens earlier. Documents are added until the tokenized sample
-is as long as fits in max_seq_length: the length is measured with the real tokenizer (through
-`count_tokens`), guided by the tokens per document measured so far, so a sample takes a few
-tokenizations. Sample i depends only on (seed, i): the same seed gives identical data, and more
-samples extend the list without changing the first ones.
+induction heads learn) rather than a value joined to a header read tens of tokens earlier.
+Documents are added until the tokenized sample is as long as fits in max_seq_length: the length is
+measured with the real tokenizer (through `count_tokens`), guided by the tokens per document
+measured so far, so a sample takes a few tokenizations. Sample i depends only on (seed, i): the same
+seed gives identical data, and more samples extend the list without changing the first ones.
 
 Sample lengths (`data.synthetic_lengths`): `full` fills every sample to max_seq_length (one
 document a row); `mixed` (the default) draws each sample's length from `sample_length`: log-uniform
