@@ -109,8 +109,10 @@ def test_eval_loss_falls_and_the_retrieval_score_sees_learned_citations(tmp_path
     train(model, [r for r in PreparedDataset(tmp_path / "p")], steps=40, lr=3e-3)
     after = ev.run(engine, 40, Log())
     held = [ev.data[i] for i in range(len(ev.data))]
-    train(model, held, steps=80, lr=3e-3, seed=1, batch=6)
-    learned = ev.run(engine, 120, Log())
+    # memorising the 6 held-out samples: 80 steps cited 6 of 6 with the unmarked documents and 5
+    # of 6 with the marked ones (one short of the bar); 160 leave a margin
+    train(model, held, steps=160, lr=3e-3, seed=1, batch=6)
+    learned = ev.run(engine, 200, Log())
     print(f"eval loss {before['loss']:.3f} -> {after['loss']:.3f}; citation "
           f"{before['retrieval_accuracy']:.2f} -> {learned['retrieval_accuracy']:.2f} "
           f"(chance {chance:.2f}); {time.perf_counter() - t0:.0f} s")
