@@ -91,6 +91,10 @@ def _word(rng: random.Random) -> str:
     return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
 
 
+_MARK = "[doc #]"
+"""Where a document's own citation marker goes in its text; build_messages writes its id there."""
+
+
 def _document(rng: random.Random, used: set[str]) -> tuple[Fact, str]:
     entity = f"{_word(rng)}-{_word(rng)}"
     while entity in used:
@@ -103,10 +107,6 @@ def _document(rng: random.Random, used: set[str]) -> tuple[Fact, str]:
     text = (f"{entity} is {article} {kind} near {rng.choice(_PLACES)}. "
             f"The {attribute} of {entity} is {fact.value} {_MARK}. {rng.choice(_FILLERS)}")
     return fact, text
-
-
-_MARK = "[doc #]"
-"""Where a document's own citation marker goes in its text; build_messages writes its id there."""
 
 
 def answer_spans(fact: Fact, target: int) -> tuple[str, tuple[int, int], tuple[int, int]]:

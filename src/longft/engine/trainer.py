@@ -230,10 +230,18 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
         batches = sp.shard(batches, pad_id, engine.device)
     if plan.resolved.host_grad_buffer.value == "shared":
         _share_grad_slot(engine, rank)
-    if cfg.zero.offload_ratio < 1 and partial_offload.follow_schedule(engine.optimizer) and rank == 0:
-        print("longft: zero.offload_ratio: the optimizer's GPU sub-groups follow the LR schedule "
-              "(DeepSpeed's own GPU AdamW keeps the first step's lr; engine/partial_offload.py)",
-              flush=True)
+    if cfg.zero.offload_ratio < 1:
+        if not partial_offload.follow_schedule(engine.optimizer):
+            # DeepSpeed builds the GPU share's optimizer whenever the ratio is below 1 with CPU
+            # offload; none here means a DeepSpeed whose GPU share would train at the first lr
+            raise TrainingError("zero.offload_ratio < 1 but DeepSpeed's ZeRO-3 optimizer has no "
+                                "backup_optimizer for its GPU share: not the DeepSpeed longft was "
+                                "written for (requirements/common.txt); install it or set "
+                                "zero.offload_ratio: 1.0")
+        if rank == 0:
+            print("longft: zero.offload_ratio: the optimizer's GPU sub-groups follow the LR schedule "
+                  "(DeepSpeed's own GPU AdamW keeps the first step's lr; engine/partial_offload.py)",
+                  flush=True)
     if cuda:
         # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
         # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
