@@ -4,7 +4,7 @@ Inputs, written by the train stage:
   rank{r}.jsonl  one JSON object a line: {"type": "iter", ...} per optimizer step, one "end",
                  on rank 0 one "env", an "eval" per held-out evaluation (metrics/eval.py turns
                  them into eval_loss, eval_ppl, retrieval_accuracy, eval.csv and retrieval.png).
-                 A line that does not parse (killed mid-write) is skipped.
+                 A line that does not parse (killed mid-write) is skipped (metrics/rank_logs.py).
   memory.csv     the HostSampler timeline of the launcher's process tree.
   monitor.json   HostSampler.summary().
 
@@ -33,9 +33,7 @@ import io
 import json
 import logging
 import math
-import re
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,65 +44,11 @@ from longft.estimate.flops import flops_per_token, mfu, peak_flops
 from longft.measure.monitor import util_over_windows
 from longft.metrics.eval import eval_metrics, eval_outputs, eval_records
 from longft.metrics.plots import gib_timeline, memory_png, read_timeline, render_report, timeline_peaks
+from longft.metrics.rank_logs import RankLog, read_json, read_ranks
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
 LOSS_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "iter_latency_s", "grad_norm", "epoch")
-
-
-@dataclass
-class RankLog:
-    rank: int
-    iters: dict[int, dict] = field(default_factory=dict)
-    evals: dict[int, dict] = field(default_factory=dict)
-    env: Optional[dict] = None
-    end: Optional[dict] = None
-
-
-def _read_rank(path: Path, rank: int) -> RankLog:
-    out = RankLog(rank)
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError as e:
-        log.warning("%s unreadable: %s", path, e)
-        return out
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                log.warning("%s:%d: not JSON, skipped", path, i + 1)
-            continue
-        kind = rec.get("type") if isinstance(rec, dict) else None
-        if kind == "iter" and isinstance(rec.get("step"), int):
-            out.iters[rec["step"]] = rec  # a step logged twice (resume): the last one counts
-        elif kind == "eval" and isinstance(rec.get("step"), int):
-            out.evals[rec["step"]] = rec  # evaluated twice (resume): the last one counts
-        elif kind == "env":
-            out.env = rec
-        elif kind == "end":
-            out.end = rec
-    return out
-
-
-def read_ranks(run_dir: Path) -> dict[int, RankLog]:
-    """Every rank{r}.jsonl of a run directory, by rank."""
-    ranks = {}
-    for p in sorted(run_dir.glob("rank*.jsonl")):
-        m = re.fullmatch(r"rank(\d+)\.jsonl", p.name)
-        if m:
-            ranks[int(m.group(1))] = _read_rank(p, int(m.group(1)))
-    return dict(sorted(ranks.items()))
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _num(x: Any) -> Optional[float]:
@@ -200,7 +144,7 @@ def _peak_step(rows: list[dict], t_peak: Optional[float]) -> Optional[int]:
 
 def _monitor(run_dir: Path) -> dict:
     """monitor.json, or the same peaks recomputed from memory.csv when the launcher died first."""
-    mon = _read_json(run_dir / "monitor.json")
+    mon = read_json(run_dir / "monitor.json")
     return mon if mon else timeline_peaks(*read_timeline(run_dir / "memory.csv"))
 
 
