@@ -26,10 +26,10 @@ def _bench_rows():
 
 
 # Rows in bench/results (a sweep grid's report reads them there) measured with an engine that has
-# changed since for what they measure: the LoRA rows of bench/grids/q3-lora.yaml ran at 7a8482e with
-# peft's fp32 adapters (each LoRA module copied its input to fp32: +5 GiB); the estimator predicts
-# the adapters in the training dtype that engine/build.py now asks for.
-EARLIER_ENGINE = {"q3-1b-16k-lora8.json", "q3-1b-16k-lora64.json"}
+# changed since for what they measure. None now: the LoRA rows of bench/grids/q3-lora.yaml that ran
+# at 7a8482e with peft's fp32 adapters (+5 GiB) were re-measured at 3052995 with the adapters in the
+# training dtype (the old JSONs are in bench/results/archive/).
+EARLIER_ENGINE: set[str] = set()
 
 # Known misses (issue 6), strict: fixing one turns its test red.
 KNOWN_MISSES = {
@@ -46,8 +46,14 @@ KNOWN_MISSES = {
     # 3.0-3.1 GiB reserved above the estimate, as on the mb4 row itself (allocated within 10 %)
     *((f"{row}.json", m) for row in ("q4-1b-16k-reduce-bucket-x4", "q4-1b-16k-prefetch-bucket-x4",
                                      "q4-1b-16k-persistence-1m", "q4-1b-16k-max-live-1e8",
-                                     "q4-1b-16k-sub-group-1e8", "q5-1b-16k-accum4")
+                                     "q4-1b-16k-sub-group-1e8", "q5-1b-16k-accum4",
+                                     "q5-1b-16k-accum16")
       for m in ("vram_max_reserved", "vram_nvml_used")),
+    # LoRA (q3 grid, 3052995, the fixed engine): the host never reaches the start-up peak that the
+    # full-parameter rows have (+1.64 GiB above the baseline, fitted on them, cause not attributed);
+    # the LoRA rows peak after the last step at 3.68-3.84 GiB (1B and 8B alike) against 4.94.
+    *((f"{row}.json", "dram_rss_tree") for row in ("q3-1b-16k-lora8", "q3-1b-16k-lora64",
+                                                   "q3-8b-128k-lora8", "q3-8b-128k-lora64")),
     # Uncapped, DeepSpeed's side-stream pools cache 82 GiB reserved for 35 GiB allocated; capped at
     # 40 GiB (the cap40 row) the allocator flushes them and the run fits at the same speed.
     ("h200-8b-128k-offload.json", "vram_max_reserved"),
@@ -69,6 +75,10 @@ KNOWN_MISSES = {
     ("h200x2-8b-128k-shared.json", "vram_max_reserved"),
     ("h200x2-8b-128k-shared.json", "vram_nvml_used"),
 }
+# The same LoRA rows peak after start-up, where the estimate (with its start-up constant) says
+# start-up; strict too: the moment test asserts these are still mispredicted.
+MOMENT_MISSES = {"q3-1b-16k-lora8.json", "q3-1b-16k-lora64.json", "q3-8b-128k-lora8.json",
+                 "q3-8b-128k-lora64.json"}
 METRICS = ("vram_max_allocated", "vram_max_reserved", "vram_nvml_used", "dram_rss_tree")
 
 
@@ -147,6 +157,9 @@ def test_host_peak_is_the_larger_moment_on_the_measured_rows():
             continue
         assert row["train"]["steps"] >= 1 and row["train"]["timed_steps"] >= 1
         measured = "setup" if dram.get("rss_tree_peak_step") == 0 else "steady"
+        if path.name in MOMENT_MISSES:  # strict known miss: fixing it turns this red
+            assert est["host"]["peak_moment"] != measured, (path.name, "now predicted: drop it")
+            continue
         assert est["host"]["peak_moment"] == measured, (path.name, dram)
         seen.add(measured)
     assert seen == {"setup", "steady"}
