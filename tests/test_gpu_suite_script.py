@@ -23,6 +23,7 @@ def test_grids_expand_to_their_rows_in_order_and_shared_rows_run_once(tmp_path):
     names = [Path(line.split(" ", 1)[1]).stem for line in r.stdout.splitlines() if line.startswith("row ")]
     assert names == ["1b-16k-gpu-mb4", "q2-1b-16k-ckpt-cpu-prefetch", "q2-1b-16k-ckpt-cpu-noprefetch",
                      "q3-1b-16k-lora8", "q3-1b-16k-lora64", "q3-8b-128k-lora8", "q3-8b-128k-lora64",
+                     "h200-8b-128k-ratio",
                      "h200-1b-16k-gpu"]
 
 
