@@ -166,3 +166,68 @@ def test_trainer_hands_boundaries_once_per_micro_batch_and_counts_attention_per_
     rows = [{"doc_sq_tokens": sq, "tokens": 15}]
     assert attention_length(rows, 8) == pytest.approx(89 / 15)
     assert attention_length([{"doc_sq_tokens": None, "tokens": 15}], 8) == 8.0  # older runs
+
+
+def _keep_run(model, ids, pos, counter):
+    """Loss, gradients and the attention kernels the backward's recompute ran, on packed rows."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, position_ids=pos, **pa.batch_kwargs(pos)).loss
+    with counter() as count:
+        loss.backward()
+    return loss.detach(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}, count.n
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_keep_attention_on_packed_rows_skips_the_kept_documents_kernels(keep):
+    """checkpointing.keep_attention on packed rows (per_document, CPU, fp32): every document's
+    kernel call in a kept layer is kept, in order, and handed back to the recompute: the backward
+    runs (2 - keep) layers x 4 documents of attention, and the gradients are those without it."""
+    from longft.model import patches as patch
+    from test_keep_attention import CountKernels
+
+    model_ref, model = tiny(), tiny()
+    ids, pos = batch(model.config.vocab_size)
+    patch.apply(model_ref, liger=False, checkpointing="gpu", packed="per_document")
+    record = patch.apply(model, liger=False, checkpointing="gpu", keep_attention=keep,
+                         packed="per_document")
+    assert record["attention_kept_layers"] == keep
+    loss_ref, g_ref, n_ref = _keep_run(model_ref, ids, pos, CountKernels)
+    assert n_ref == 2 * 4  # 2 layers' recomputes, each one call per document (3 + 1)
+    loss, g, n = _keep_run(model, ids, pos, CountKernels)
+    assert n == (2 - keep) * 4
+    assert torch.equal(loss, loss_ref)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", pa.KERNELS)
+def test_keep_attention_on_packed_rows_on_cuda(kernel):
+    """The same on the GPU in bf16 with each packed kernel (varlen: one varlen_attn call a layer;
+    per_document: one SDPA call per document): the kept layer's recompute runs no attention
+    kernel, the loss is bit-identical and the gradients stay within run-to-run noise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if kernel == "varlen" and not pa.varlen_available():
+        pytest.skip("this torch has no varlen_attn")
+    from longft.model import patches as patch
+    from test_keep_attention import CountKernels
+
+    def model(keep):
+        m = tiny().cuda().bfloat16()
+        patch.apply(m, liger=False, checkpointing="gpu", keep_attention=keep, packed=kernel)
+        return m
+
+    ids, pos = (t.cuda() for t in batch(384))
+    calls = 1 if kernel == "varlen" else 4  # a layer's kernel calls for the two rows
+    loss_ref, g_ref, n_ref = _keep_run(model(0), ids, pos, CountKernels)
+    _, g_again, _, _ = _keep_run(model(0), ids, pos, CountKernels)
+    assert n_ref == 2 * calls
+    loss, g, n = _keep_run(model(1), ids, pos, CountKernels)
+    assert n == calls
+    assert torch.equal(loss, loss_ref)
+    for name in g_ref:
+        noise = (g_again[name] - g_ref[name]).norm()
+        err = (g[name] - g_ref[name]).norm()
+        assert err <= max(2 * noise, 1e-2 * g_ref[name].norm()), (name, float(err), float(noise))
