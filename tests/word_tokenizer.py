@@ -25,20 +25,19 @@ from __future__ import annotations
 
 import itertools
 import re
+from pathlib import Path
+
+from transformers import AutoTokenizer
 
 from longft.data import synthetic
 
-SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>"]
+REPO = Path(__file__).resolve().parents[1]
+_BYTE = AutoTokenizer.from_pretrained(REPO / "configs/tokenizers/byte")
+SPECIALS = [t.content for _, t in sorted(_BYTE.added_tokens_decoder.items())]
+"""configs/tokenizers/byte's special tokens, in its order (bos, eos, pad, the chat markers)."""
+CHAT_TEMPLATE = _BYTE.chat_template  # with its generation markers
 UNK = "[UNK]"
 MAX_DOCS = 200
-# the chat template of configs/tokenizers/byte (with its generation markers)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' }}"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|eot_id|>' }}{% endgeneration %}"
-    "{% else %}{{ m['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 _CHUNK = r"[A-Z][a-z]{0,2}|[a-z]{1,3}"
 _PUNCT = r"[^\sA-Za-z0-9]"
 
