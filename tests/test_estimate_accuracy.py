@@ -31,6 +31,8 @@ def _bench_rows():
 # training dtype (the old JSONs are in bench/results/archive/).
 EARLIER_ENGINE: set[str] = set()
 
+LORA_ROWS = ("q3-1b-16k-lora8", "q3-1b-16k-lora64", "q3-8b-128k-lora8", "q3-8b-128k-lora64")
+
 # Known misses (issue 6), strict: fixing one turns its test red.
 KNOWN_MISSES = {
     # Parameters offloaded to the CPU at small micro-batches (issue 22's q1 grid, 7a8482e): about
@@ -52,8 +54,7 @@ KNOWN_MISSES = {
     # LoRA (q3 grid, 3052995, the fixed engine): the host never reaches the start-up peak that the
     # full-parameter rows have (+1.64 GiB above the baseline, fitted on them, cause not attributed);
     # the LoRA rows peak after the last step at 3.68-3.84 GiB (1B and 8B alike) against 4.94.
-    *((f"{row}.json", "dram_rss_tree") for row in ("q3-1b-16k-lora8", "q3-1b-16k-lora64",
-                                                   "q3-8b-128k-lora8", "q3-8b-128k-lora64")),
+    *((f"{row}.json", "dram_rss_tree") for row in LORA_ROWS),
     # Uncapped, DeepSpeed's side-stream pools cache 82 GiB reserved for 35 GiB allocated; capped at
     # 40 GiB (the cap40 row) the allocator flushes them and the run fits at the same speed.
     ("h200-8b-128k-offload.json", "vram_max_reserved"),
@@ -77,8 +78,7 @@ KNOWN_MISSES = {
 }
 # The same LoRA rows peak after start-up, where the estimate (with its start-up constant) says
 # start-up; strict too: the moment test asserts these are still mispredicted.
-MOMENT_MISSES = {"q3-1b-16k-lora8.json", "q3-1b-16k-lora64.json", "q3-8b-128k-lora8.json",
-                 "q3-8b-128k-lora64.json"}
+MOMENT_MISSES = {f"{row}.json" for row in LORA_ROWS}
 METRICS = ("vram_max_allocated", "vram_max_reserved", "vram_nvml_used", "dram_rss_tree")
 
 
