@@ -231,3 +231,74 @@ def test_keep_attention_on_packed_rows_on_cuda(kernel):
         noise = (g_again[name] - g_ref[name]).norm()
         err = (g[name] - g_ref[name]).norm()
         assert err <= max(2 * noise, 1e-2 * g_ref[name].norm()), (name, float(err), float(noise))
+
+
+def test_per_document_turns_on_cudnn_ragged_plans_unless_the_environment_says(monkeypatch):
+    """install(per_document) sets CUDNN_RAGGED_ENV (one cuDNN plan per power-of-two length, not one
+    per document length), leaves a value the user set alone, and varlen leaves it unset; the patch
+    record says what the run got."""
+    from longft.model import patches as patch
+
+    monkeypatch.delenv(pa.CUDNN_RAGGED_ENV, raising=False)
+    pa.install(tiny(), "varlen")
+    assert pa.cudnn_ragged() is None
+    assert patch.apply(tiny(), liger=False, checkpointing="none", packed="per_document")["cudnn_ragged"] == "1"
+    monkeypatch.setenv(pa.CUDNN_RAGGED_ENV, "0")
+    assert patch.apply(tiny(), liger=False, checkpointing="none", packed="per_document")["cudnn_ragged"] == "0"
+
+
+RAGGED_SCRIPT = r"""
+import json, warnings, torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from longft.model import packed_attention as pa
+
+class Mod(torch.nn.Module):
+    num_key_value_groups, is_causal = 4, True
+
+worst = {"out": 0.0, "grad": 0.0}
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for seed, lens in enumerate([[700, 1300, 2044], [2500, 1544], [4096], [333, 3000, 763]]):
+        torch.manual_seed(seed)
+        s = sum(lens)
+        pos = torch.cat([torch.arange(n) for n in lens])[None].cuda()
+        cu, _ = pa.boundaries(pos)
+        # BSHD memory seen as [b, heads, s, d], as the Llama projections leave it
+        q = torch.randn(1, s, 16, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(1, s, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                for _ in range(2))
+        go = torch.randn(1, s, 16, 64, device="cuda", dtype=torch.bfloat16)
+        res = []
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel([backend]):
+                o = pa.per_document(Mod(), qq, kk, vv, cu, 0.0, None)
+                o.backward(go)
+            res.append((o.float(), [t.grad.float() for t in (qq, kk, vv)]))
+        (o1, g1), (o2, g2) = res
+        worst["out"] = max(worst["out"], float((o1 - o2).abs().max()))
+        worst["grad"] = max(worst["grad"], max(float((a - b).abs().max()) for a, b in zip(g1, g2)))
+worst["ragged_warning"] = any(pa.CUDNN_RAGGED_ENV in str(w.message) for w in seen)
+print(json.dumps(worst))
+"""
+
+
+@pytest.mark.gpu
+def test_per_document_cudnn_ragged_path_matches_flash_on_new_lengths():
+    """Under CUDNN_RAGGED_ENV (set before the process's first cuDNN call, as a training run sets
+    it), cuDNN per document takes PyTorch's ragged path (its one-time warning says so) and gives
+    flash's outputs and gradients on four micro-batches of new document lengths."""
+    import os
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    env = {**os.environ, pa.CUDNN_RAGGED_ENV: "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", RAGGED_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    worst = json.loads(done.stdout.strip().splitlines()[-1])
+    assert worst["ragged_warning"], worst
+    assert worst["out"] < 2e-2 and worst["grad"] < 5e-2, worst

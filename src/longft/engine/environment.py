@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from longft.config.params import Config
 from longft.config.plan import Plan
 from longft.measure.monitor import gpu_inventory
+from longft.model import packed_attention
 
 
 def _pkg(name: str) -> str | None:
@@ -50,6 +51,7 @@ def environment(cfg: Config, plan: Plan, ds: dict | None = None, engine=None) ->
         "peft": _pkg("peft"), "python": platform.python_version(),
         "precision": r.precision.value, "attention": r.attention.value,
         "sdpa_backend": r.sdpa_backend.value, "packed_attention": r.packed_attention.value,
+        "cudnn_ragged": packed_attention.cudnn_ragged(),
         "checkpointing": r.checkpointing.value, "liger": r.liger.value,
         "tiled_mlp": r.tiled_mlp.value, "host_grad_buffer": r.host_grad_buffer.value,
         "gpu_layers": cfg.checkpointing.gpu_layers, "ckpt_prefetch": cfg.checkpointing.prefetch,

@@ -12,7 +12,12 @@ as its own causal sequence from the document boundaries:
   kernels inside torch): one call for all documents of the micro-batch.
 - `per_document`: transformers' own SDPA function once per document (`is_causal`, so the pinned
   SDPA kernel runs: cuDNN or flash on Ampere and newer, the memory-efficient kernel on a V100,
-  PyTorch's CPU kernel on CPU).
+  PyTorch's CPU kernel on CPU). cuDNN builds an execution plan for every new (batch, heads,
+  length) it sees, and each micro-batch of packed rows brings new document lengths: `install`
+  therefore turns on PyTorch's `TORCH_CUDNN_SDPA_AVOID_RECOMPILE` (`CUDNN_RAGGED_ENV`), under
+  which cuDNN runs such calls through its ragged-offset path with the lengths rounded up to powers
+  of two in the plan key, so a handful of plans serve every document (unless the environment
+  already sets the variable; PyTorch reads it once, at the process's first cuDNN attention call).
 
 The boundaries are worked out once per micro-batch (`batch_kwargs`, from the position ids) and
 reach every layer as the `cu_seq_lens_q` / `max_length_q` keyword arguments, the names
@@ -25,6 +30,7 @@ whose rows each hold one document (`cu_seq_lens_q` absent) takes the plain singl
 from __future__ import annotations
 
 import inspect
+import os
 from functools import lru_cache
 
 from longft.errors import UserError
@@ -32,6 +38,9 @@ from longft.errors import UserError
 NAME = "longft_packed"
 """The attention implementation name longft registers (config._attn_implementation)."""
 KERNELS = ("varlen", "per_document")
+CUDNN_RAGGED_ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+"""PyTorch's opt-in (2.9 and later) to cuDNN SDPA's ragged path for BSHD-contiguous q/k/v without
+a bias: one plan per power-of-two length instead of one per length (aten/src/ATen/native/cudnn/MHA.cpp)."""
 
 
 @lru_cache(maxsize=None)
@@ -86,6 +95,10 @@ def per_document(module, query, key, value, cu, dropout: float, scaling, **kwarg
     import torch
 
     b, _, s, _ = query.shape
+    if query.is_cuda and cudnn_ragged() == "1":
+        # cuDNN's ragged path takes only BSHD-contiguous q/k/v: one copy a layer if the rotary
+        # embedding left them otherwise, not one cuDNN plan per document length
+        query, key, value = (_bshd(t) for t in (query, key, value))
     bounds = cu.tolist()
     rows = []
     for r in range(b):
@@ -100,6 +113,11 @@ def per_document(module, query, key, value, cu, dropout: float, scaling, **kwarg
             pieces.append(out)
         rows.append(torch.cat(pieces, dim=1))
     return torch.cat(rows, dim=0)
+
+
+def _bshd(t):
+    """`t` [b, heads, s, d] with [b, s, heads, d] memory (a copy only where it has another)."""
+    return t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 @lru_cache(maxsize=None)
@@ -177,9 +195,18 @@ def make_forward(kernel: str):
     return forward
 
 
+def cudnn_ragged() -> str | None:
+    """The CUDNN_RAGGED_ENV value this process runs with (None: unset, cuDNN's plan per length)."""
+    return os.environ.get(CUDNN_RAGGED_ENV)
+
+
 def install(model, kernel: str) -> None:
-    """Register NAME for `kernel` and make `model` use it (its config._attn_implementation)."""
+    """Register NAME for `kernel` and make `model` use it (its config._attn_implementation);
+    per_document also turns on CUDNN_RAGGED_ENV unless the environment sets it already."""
     from transformers import AttentionInterface
+
+    if kernel == "per_document":
+        os.environ.setdefault(CUDNN_RAGGED_ENV, "1")
 
     AttentionInterface.register(NAME, make_forward(kernel))
     for m in model.modules():  # the model and its sub-configs (one for a decoder-only LM)

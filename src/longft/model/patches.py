@@ -108,6 +108,8 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
         "tiled_mlp_layers": tiled,
         "attention_kept_layers": kept,
         "packed_attention": packed,
+        # cuDNN's ragged path for per-document calls (packed_attention.CUDNN_RAGGED_ENV)
+        "cudnn_ragged": packed_attention.cudnn_ragged(),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
     }
 
