@@ -197,7 +197,7 @@ def test_architecture_reads_every_key():
 
 
 def test_packed_attention_resolves_per_gpu_generation_by_measurement():
-    """auto: on Hopper cuDNN SDPA per document from 64K-token rows and varlen_attn below
+    """auto: on Hopper cuDNN SDPA per document from 32K-token rows and varlen_attn below
     (measured end to end on the H200), torch's varlen_attn on Ampere where torch has it, SDPA
     per document on a V100 and on CPU; none for rows of one document; flash_attention_2 reads
     the boundaries itself; impossible requests refused."""
@@ -216,9 +216,10 @@ def test_packed_attention_resolves_per_gpu_generation_by_measurement():
         return resolve(from_dict(params), hw, "llama")["packed_attention"]
 
     c = packed({"data": {"max_seq_length": 131072}}, h200)
-    assert c.value == "per_document" and "cuDNN" in c.reason and "13,601" in c.reason
-    short = packed({"data": {"max_seq_length": 16384}}, h200)
-    assert short.value == "varlen" and "40,011" in short.reason
+    assert c.value == "per_document" and "cuDNN" in c.reason and "14,462" in c.reason
+    assert packed({"data": {"max_seq_length": 32768}}, h200).value == "per_document"
+    short = packed({"data": {"max_seq_length": 32767}}, h200)
+    assert short.value == "varlen" and "39,669" in short.reason
     assert packed({"data": {"max_seq_length": 16384}},
                   dataclasses.replace(h200, varlen_attn=False)).value == "per_document"
     assert packed({}, a100).value == "varlen"

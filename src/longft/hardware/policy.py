@@ -196,18 +196,20 @@ def packed_rows(cfg: Config) -> bool:
     return cfg.data.pack and cfg.data.source != "random"
 
 
-PER_DOCUMENT_FROM = 65536
-"""On Hopper, packed rows of at least this many tokens run cuDNN SDPA per document; shorter ones
-run torch's varlen_attn. Measured end to end on the H200 (BENCHMARKS.md, Llama-3.2-1B, commit
-31adfae): at 128K per document 13,601 tok/s, varlen 11,695 (unpacked rows 9,519); at 16K with
-micro-batch 4 (about 12 documents a micro-batch) varlen 40,011, per document 19,114 (unpacked
-35,733): cuDNN pays a set-up per new document length, which short documents cannot amortise."""
+PER_DOCUMENT_FROM = 32768
+"""On Hopper, packed rows of at least this many tokens run cuDNN SDPA per document (on cuDNN's
+ragged path, model/packed_attention.py); shorter ones run torch's varlen_attn. Measured on the H200
+(BENCHMARKS.md, commit b7b270f): end to end with Llama-3.2-1B at 16K, micro-batch 4, varlen 39,669
+tok/s against 38,114 per document; at 128K per document 14,462 (varlen 11,695 at 31adfae). Per
+kernel call with new document lengths every call (scripts/packed_attention_probe.py), cuDNN per
+document is level with varlen at 16K (1B: 6.4 against 6.3 ms) and 20-31 % faster from 32K (1B:
+18.7 against 23.3 ms; 8B: 28.5 against 41.1). The 32K boundary itself was not run end to end."""
 
 
 def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
                              attention: str) -> tuple[Choice, list[str]]:
     """How attention runs over rows that pack several documents (model/packed_attention.py).
-    auto, by measurement (PER_DOCUMENT_FROM): on Hopper cuDNN SDPA per document from 64K-token
+    auto, by measurement (PER_DOCUMENT_FROM): on Hopper cuDNN SDPA per document from 32K-token
     rows, torch's varlen_attn below; varlen_attn on Ampere (its flash kernel is the fast one
     there; unmeasured on an Ampere card); SDPA per document on a V100 (the memory-efficient
     kernel; varlen_attn needs >= 8.0) and on CPU."""
@@ -238,12 +240,12 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
         hopper = hw.capability is not None and hw.capability >= (9, 0)
         if hopper and (seq >= PER_DOCUMENT_FROM or not varlen_ok):
             return Choice("per_document", f"auto: capability {cap_s}, rows of {seq:,} tokens: "
-                          "cuDNN SDPA per document (H200, 128K: 13,601 tok/s against 11,695 "
-                          "with varlen_attn)"), []
+                          "cuDNN SDPA per document, ragged plans (H200, 128K: 14,462 tok/s "
+                          "against 11,695 with varlen_attn)"), []
         if hopper:
             return Choice("varlen", f"auto: capability {cap_s}, rows of {seq:,} < "
-                          f"{PER_DOCUMENT_FROM:,} tokens: torch's varlen_attn (H200, 16K: 40,011 "
-                          "tok/s against 19,114 with cuDNN per document)"), []
+                          f"{PER_DOCUMENT_FROM:,} tokens: torch's varlen_attn (H200, 16K: 39,669 "
+                          "tok/s against 38,114 with cuDNN per document)"), []
         if varlen_ok:
             return Choice("varlen", f"auto: capability {cap_s}: torch's varlen_attn (the flash "
                           "kernel, one call for every document)"), []
