@@ -239,7 +239,8 @@ def test_per_document_turns_on_cudnn_ragged_plans_unless_the_environment_says(mo
     record says what the run got."""
     from longft.model import patches as patch
 
-    monkeypatch.delenv(pa.CUDNN_RAGGED_ENV, raising=False)
+    monkeypatch.setenv(pa.CUDNN_RAGGED_ENV, "")  # recorded, so teardown restores the original
+    monkeypatch.delenv(pa.CUDNN_RAGGED_ENV)
     pa.install(tiny(), "varlen")
     assert pa.cudnn_ragged() is None
     assert patch.apply(tiny(), liger=False, checkpointing="none", packed="per_document")["cudnn_ragged"] == "1"
