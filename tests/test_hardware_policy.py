@@ -256,3 +256,50 @@ def test_vram_limit_with_device_auto_on_a_machine_without_a_gpu_is_refused():
     with pytest.raises(PlanError, match=r"vram_limit_gib: only meaningful with hardware.device "
                                         r"cuda; set it to null \(device auto found no CUDA GPU"):
         resolve(from_dict({"hardware": {"vram_limit_gib": 16}}), cpu, "llama")
+
+
+def test_flash_attn_4_runs_only_where_it_can_and_keeps_nothing():
+    """kernels.packed_attention flash_attn_4: resolved on a Hopper GPU with flash-attn-4
+    installed; refused, naming the fix, without the package, below compute capability 9.0, on
+    CPU, with checkpointing.keep_attention (its kernels are not torch ops, so nothing would be
+    kept) and beside eager or flash_attention_2 attention."""
+    import dataclasses
+
+    from longft.config import from_dict
+    from longft.hardware import Hardware, PlanError, resolve
+
+    h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
+                    gpu_mem_gib=139.8, host_mem_gib=125.9, varlen_attn=True, flash_attn_4=True)
+    ask = {"kernels": {"packed_attention": "flash_attn_4"}}
+    got = resolve(from_dict(ask), h200, "llama")["packed_attention"]
+    assert (got.value, got.reason) == ("flash_attn_4", "set in params")
+    a100 = dataclasses.replace(h200, gpu_name="NVIDIA A100-SXM4-40GB", capability=(8, 0))
+    for params, hw, msg in (
+            (ask, dataclasses.replace(h200, flash_attn_4=False), "pip install flash-attn-4"),
+            (ask, a100, r"Hopper or Blackwell GPU \(compute capability >= 9.0; NVIDIA A100-SXM4-40GB is 8.0\)"),
+            (ask, Hardware(device="cpu", host_mem_gib=24, cpu_count=2, flash_attn_4=True), "no CUDA GPU"),
+            ({**ask, "checkpointing": {"keep_attention": 2}}, h200, "keep_attention cannot keep flash-attn-4"),
+            ({"kernels": {"packed_attention": "flash_attn_4", "attention": "eager"}}, h200,
+             "needs kernels.attention sdpa"),
+            ({"kernels": {"packed_attention": "flash_attn_4", "attention": "flash_attention_2"}},
+             dataclasses.replace(h200, flash_attn=True), "flash-attn's variable-length kernel")):
+        with pytest.raises(PlanError, match=msg):
+            resolve(from_dict(params), hw, "llama")
+
+
+def test_detect_tells_flash_attn_2_from_flash_attn_4(tmp_path, monkeypatch):
+    """flash-attn-4 installs flash_attn.cute alone (flash_attn is then a namespace package):
+    that is not flash-attn 2, whose CUDA extension transformers' flash_attention_2 needs."""
+    import sys
+
+    from longft.hardware.machine import detect
+
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for m in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, m)
+    hw = detect()
+    assert hw.flash_attn_4 and not hw.flash_attn
+    (tmp_path / "flash_attn_2_cuda.py").write_text("")
+    assert detect().flash_attn

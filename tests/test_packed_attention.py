@@ -57,11 +57,21 @@ def test_boundaries_and_batch_kwargs():
     assert pa.batch_kwargs(single) == {}  # one document a row: the single-sequence kernel
 
 
-@pytest.mark.parametrize("kernel", pa.KERNELS)
+def needs_kernel(kernel):
+    """Skip a GPU test of `kernel` where this machine cannot run it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if kernel == "varlen" and not pa.varlen_available():
+        pytest.skip("this torch has no varlen_attn")
+    if kernel == "flash_attn_4" and pa.flash_attn_4_function() is None:
+        pytest.skip("flash-attn-4 is not installed")
+
+
+@pytest.mark.parametrize("kernel", ["varlen", "per_document"])
 def test_packed_loss_and_gradients_equal_the_documents_run_alone(kernel):
     """fp32 on CPU: the packed micro-batch's logits equal each document's alone; the summed
     loss's gradients equal those of the documents' losses summed. (`varlen` falls back to the
-    per-document path off CUDA; the GPU suite runs the kernel itself.)"""
+    per-document path off CUDA; the GPU suite runs the kernel itself, and flash_attn_4.)"""
     ref_model, model = tiny(), tiny()
     ids, pos = batch(model.config.vocab_size)
     pa.install(model, kernel)
@@ -128,12 +138,9 @@ def test_refuses_an_explicit_mask():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", pa.KERNELS)
 def test_packed_attention_on_cuda_matches_the_documents_alone(kernel):
-    """bf16 on the GPU, each kernel (varlen: torch's varlen_attn): packed logits within bf16
-    tolerance of each document run alone, and gradients close."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if kernel == "varlen" and not pa.varlen_available():
-        pytest.skip("this torch has no varlen_attn")
+    """bf16 on the GPU, each kernel (varlen: torch's varlen_attn; flash_attn_4: flash-attn-4's):
+    packed logits within bf16 tolerance of each document run alone, and gradients close."""
+    needs_kernel(kernel)
     ref_model, model = tiny().cuda().bfloat16(), tiny().cuda().bfloat16()
     pa.install(model, kernel)
     ids, pos = (t.cuda() for t in batch(model.config.vocab_size))
@@ -202,15 +209,13 @@ def test_keep_attention_on_packed_rows_skips_the_kept_documents_kernels(keep):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", pa.KERNELS)
+@pytest.mark.parametrize("kernel", ["varlen", "per_document"])
 def test_keep_attention_on_packed_rows_on_cuda(kernel):
     """The same on the GPU in bf16 with each packed kernel (varlen: one varlen_attn call a layer;
     per_document: one SDPA call per document): the kept layer's recompute runs no attention
-    kernel, the loss is bit-identical and the gradients stay within run-to-run noise."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if kernel == "varlen" and not pa.varlen_available():
-        pytest.skip("this torch has no varlen_attn")
+    kernel, the loss is bit-identical and the gradients stay within run-to-run noise.
+    (flash_attn_4 is refused with keep_attention: test_hardware_policy.)"""
+    needs_kernel(kernel)
     from longft.model import patches as patch
     from test_keep_attention import CountKernels
 
@@ -303,3 +308,48 @@ def test_per_document_cudnn_ragged_path_matches_flash_on_new_lengths():
     worst = json.loads(done.stdout.strip().splitlines()[-1])
     assert worst["ragged_warning"], worst
     assert worst["out"] < 2e-2 and worst["grad"] < 5e-2, worst
+
+
+def test_flash_attn_4_refuses_to_install_without_the_package(monkeypatch):
+    """Where flash_attn.cute cannot be imported, installing the kernel fails at once, naming the
+    package and the way out, instead of at the first forward of a long run."""
+    monkeypatch.setattr(pa, "flash_attn_4_function", lambda: None)
+    model = tiny()
+    with pytest.raises(pa.PackedAttentionError, match="pip install flash-attn-4"):
+        pa.install(model, "flash_attn_4")
+    assert model.config._attn_implementation == "sdpa"  # left as it was
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flash_attn_4_matches_per_document_at_llama_head_dims(head_dim):
+    """flash-attn-4's varlen kernel at the Llama-3.2-1B / 3.1-8B attention shapes (32 query and 8
+    K/V heads, head_dim 64 / 128) on two rows of documents of uneven lengths: output and q/k/v
+    gradients within bf16 tolerance of SDPA run once per document."""
+    needs_kernel("flash_attn_4")
+    lens = [[1000, 2900, 96, 100], [4096]]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens]).cuda()
+    cu, longest = pa.boundaries(pos)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def qkv():
+        return [torch.randn(2, 4096, h, head_dim, device="cuda", generator=g,
+                            dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for h in (32, 8, 8)]
+
+    q, k, v = qkv()
+    go = torch.randn(2, 4096, 32, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    class Mod(torch.nn.Module):
+        num_key_value_groups, is_causal = 4, True
+
+    outs, grads = [], []
+    for fn in (lambda: pa.flash_attn_4(Mod(), q, k, v, cu, longest, None),
+               lambda: pa.per_document(Mod(), q, k, v, cu, 0.0, None)):
+        o = fn()
+        o.backward(go)
+        outs.append(o.float())
+        grads.append([t.grad.float() for t in (q, k, v)])
+        q.grad = k.grad = v.grad = None
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    for a, b, name in zip(*grads, "qkv"):
+        assert (a - b).norm() <= 2e-2 * b.norm(), (name, float((a - b).norm()), float(b.norm()))

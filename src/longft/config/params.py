@@ -88,12 +88,14 @@ class KernelsConfig:
     """Liger fused kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); auto = on with CUDA."""
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
     """auto = flash_attention_2 when installed on compute capability >= 8.0, else sdpa."""
-    packed_attention: Literal["auto", "varlen", "per_document", "mask"] = "auto"
+    packed_attention: Literal["auto", "varlen", "per_document", "flash_attn_4", "mask"] = "auto"
     """Attention over rows that pack several documents (model/packed_attention.py): varlen = torch's
     varlen_attn (CUDA, compute capability >= 8.0, torch >= 2.10); per_document = SDPA once per
-    document; mask = transformers' dense [seq x seq] block mask (slow; for comparison). auto picks
-    per GPU generation by measurement (README); flash_attention_2 reads the document boundaries
-    itself. Rows of one document always take the single-sequence kernel."""
+    document; flash_attn_4 = flash-attn-4's varlen kernel (pip install flash-attn-4; Hopper and
+    Blackwell; not with checkpointing.keep_attention); mask = transformers' dense [seq x seq]
+    block mask (slow; for comparison). auto picks per GPU generation by measurement (README);
+    flash_attention_2 reads the document boundaries itself. Rows of one document always take
+    the single-sequence kernel."""
     sdpa_backend: Literal["auto", "default", "flash", "cudnn", "efficient", "math"] = "auto"
     """With attention sdpa: the kernel SDPA tries first (fallbacks: efficient, math). auto = cudnn on
     compute capability >= 9.0, flash on 8.x, efficient on 7.x, PyTorch's default on CPU."""

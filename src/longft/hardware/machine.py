@@ -21,9 +21,19 @@ class Hardware:
     liger: bool = False
     varlen_attn: bool = False
     """torch has torch.nn.attention.varlen.varlen_attn (2.10 and later): packed rows in one call."""
+    flash_attn_4: bool = False
+    """flash-attn-4 is installed (flash_attn.cute: CuTe DSL kernels for Hopper and Blackwell)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _has(module: str) -> bool:
+    """Whether `module` can be found (a dotted name imports its parents; a missing parent is False)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
 
 
 def detect() -> Hardware:
@@ -33,7 +43,8 @@ def detect() -> Hardware:
 
     host = psutil.virtual_memory().total / 2**30
     common = dict(host_mem_gib=round(host, 1), cpu_count=os.cpu_count() or 1,
-                  flash_attn=importlib.util.find_spec("flash_attn") is not None,
+                  # flash-attn 2's CUDA extension: flash-attn-4 installs flash_attn.cute alone
+                  flash_attn=_has("flash_attn_2_cuda"), flash_attn_4=_has("flash_attn.cute"),
                   liger=importlib.util.find_spec("liger_kernel") is not None,
                   varlen_attn=importlib.util.find_spec("torch.nn.attention.varlen") is not None)
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:

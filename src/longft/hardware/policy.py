@@ -206,6 +206,27 @@ document is level with varlen at 16K (1B: 6.4 against 6.3 ms) and 20-31 % faster
 18.7 against 23.3 ms; 8B: 28.5 against 41.1). The 32K boundary itself was not run end to end."""
 
 
+LONGFT_KERNELS = ("varlen", "per_document", "flash_attn_4")
+"""kernels.packed_attention values that are longft's attention function (model/packed_attention.py)."""
+
+
+def flash_attn_4_problems(cfg: Config, hw: Hardware, device: str) -> list[str]:
+    """Why kernels.packed_attention flash_attn_4 cannot run here ([] = it can)."""
+    out = []
+    if device != "cuda" or hw.capability is None or hw.capability < (9, 0):
+        where = "no CUDA GPU" if device != "cuda" else f"{hw.gpu_name} is {_capability(hw)}"
+        out.append("kernels.packed_attention: flash_attn_4 needs a Hopper or Blackwell GPU "
+                   f"(compute capability >= 9.0; {where}); use auto")
+    elif not hw.flash_attn_4:
+        out.append("kernels.packed_attention: flash_attn_4 needs the flash-attn-4 package "
+                   "(pip install flash-attn-4; flash_attn.cute is not importable here); use auto")
+    if cfg.checkpointing.keep_attention:
+        out.append("checkpointing.keep_attention cannot keep flash-attn-4's outputs (its kernels "
+                   "are not torch ops); set checkpointing.keep_attention: 0 or "
+                   "kernels.packed_attention: auto")
+    return out
+
+
 def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
                              attention: str) -> tuple[Choice, list[str]]:
     """How attention runs over rows that pack several documents (model/packed_attention.py).
@@ -219,7 +240,7 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
         why = "data.pack is false" if not cfg.data.pack else "random rows"
         return Choice("none", f"{why}: one document a row, the single-sequence kernel"), []
     if attention == "flash_attention_2":
-        if pa in ("varlen", "per_document"):
+        if pa in LONGFT_KERNELS:
             return Choice("flash_attention_2", "set in params"), [
                 f"kernels.packed_attention: {pa} is longft's SDPA-based attention, but "
                 "kernels.attention is flash_attention_2, which runs packed rows with flash-attn's "
@@ -227,7 +248,7 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
         return Choice("flash_attention_2", "flash-attn's variable-length kernel, from the "
                       "document boundaries (no mask)") if pa != "mask" else Choice("mask", "set in params"), []
     if attention == "eager":
-        if pa in ("varlen", "per_document"):
+        if pa in LONGFT_KERNELS:
             return Choice(pa, "set in params"), [
                 f"kernels.packed_attention: {pa} needs kernels.attention sdpa (eager computes "
                 "the full score matrix itself); set kernels.attention: sdpa or packed_attention: auto"]
@@ -253,6 +274,8 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
                       + ("" if _ampere(hw) else " (memory-efficient kernel; varlen_attn needs >= 8.0)")
                       + ("" if not _ampere(hw) or hw.varlen_attn else
                          " (this torch has no varlen_attn)")), []
+    if pa == "flash_attn_4":
+        return Choice(pa, "set in params"), flash_attn_4_problems(cfg, hw, device)
     if pa == "varlen" and not varlen_ok:
         why = ("a CUDA GPU" if device != "cuda" else f"compute capability >= 8.0 ({hw.gpu_name} "
                f"is {cap_s})" if not _ampere(hw) else "torch >= 2.10 (torch.nn.attention.varlen)")

@@ -18,6 +18,9 @@ as its own causal sequence from the document boundaries:
   which cuDNN runs such calls through its ragged-offset path with the lengths rounded up to powers
   of two in the plan key, so a handful of plans serve every document (unless the environment
   already sets the variable; PyTorch reads it once, at the process's first cuDNN attention call).
+- `flash_attn_4`: flash-attn-4's `flash_attn_varlen_func` (the `flash-attn-4` package, CuTe DSL
+  kernels for Hopper and Blackwell): one call for all documents, like varlen. Its kernels are not
+  torch ops, so checkpointing.keep_attention cannot keep their outputs (the policy refuses the pair).
 
 The boundaries are worked out once per micro-batch (`batch_kwargs`, from the position ids) and
 reach every layer as the `cu_seq_lens_q` / `max_length_q` keyword arguments, the names
@@ -37,7 +40,7 @@ from longft.errors import UserError
 
 NAME = "longft_packed"
 """The attention implementation name longft registers (config._attn_implementation)."""
-KERNELS = ("varlen", "per_document")
+KERNELS = ("varlen", "per_document", "flash_attn_4")
 CUDNN_RAGGED_ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
 """PyTorch's opt-in (2.9 and later) to cuDNN SDPA's ragged path for BSHD-contiguous q/k/v without
 a bias: one plan per power-of-two length instead of one per length (aten/src/ATen/native/cudnn/MHA.cpp)."""
@@ -51,6 +54,17 @@ def varlen_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@lru_cache(maxsize=None)
+def flash_attn_4_function():
+    """flash-attn-4's flash_attn_varlen_func, or None where the package is missing or cannot load
+    (its CuTe DSL needs the nvidia-cutlass-dsl libraries for this CUDA)."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries missing
+        return None
+    return flash_attn_varlen_func
 
 
 def boundaries(position_ids):
@@ -150,6 +164,24 @@ def varlen(module, query, key, value, cu, longest: int, scaling):
     return out.view(b, s, h, d)
 
 
+def flash_attn_4(module, query, key, value, cu, longest: int, scaling):
+    """flash-attn-4's varlen kernel over all documents at once (fewer K/V heads than query heads
+    taken as they are); [b, s, heads, d]."""
+    fn = flash_attn_4_function()
+    if fn is None:
+        raise PackedAttentionError(
+            "kernels.packed_attention flash_attn_4 needs the flash-attn-4 package (pip install "
+            "flash-attn-4 on a Hopper or Blackwell GPU); set kernels.packed_attention: auto")
+    b, h, s, d = query.shape
+    q = query.transpose(1, 2).reshape(b * s, h, d)
+    k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+    v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+    out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+             softmax_scale=scaling, causal=True)
+    out = out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
+    return out.view(b, s, h, d)
+
+
 class PackedAttentionError(UserError, RuntimeError):
     """The model asks of its attention what longft's packed attention cannot do."""
 
@@ -189,6 +221,9 @@ def make_forward(kernel: str):
                            is_causal=is_causal)
         if kernel == "varlen" and query.is_cuda and not dropout:
             return varlen(module, query, key, value, cu_seq_lens_q, int(max_length_q), scaling), None
+        if kernel == "flash_attn_4" and query.is_cuda and not dropout:
+            return flash_attn_4(module, query, key, value, cu_seq_lens_q, int(max_length_q),
+                                scaling), None
         return per_document(module, query, key, value, cu_seq_lens_q, dropout, scaling), None
 
     forward.kernel = kernel
@@ -202,11 +237,16 @@ def cudnn_ragged() -> str | None:
 
 def install(model, kernel: str) -> None:
     """Register NAME for `kernel` and make `model` use it (its config._attn_implementation);
-    per_document also turns on CUDNN_RAGGED_ENV unless the environment sets it already."""
+    per_document also turns on CUDNN_RAGGED_ENV unless the environment sets it already;
+    flash_attn_4 refuses to install where flash-attn-4 cannot be imported."""
     from transformers import AttentionInterface
 
     if kernel == "per_document":
         os.environ.setdefault(CUDNN_RAGGED_ENV, "1")
+    if kernel == "flash_attn_4" and flash_attn_4_function() is None:
+        raise PackedAttentionError(
+            "kernels.packed_attention flash_attn_4: flash_attn.cute (the flash-attn-4 package) "
+            "cannot be imported here; pip install flash-attn-4 or set kernels.packed_attention: auto")
 
     AttentionInterface.register(NAME, make_forward(kernel))
     for m in model.modules():  # the model and its sub-configs (one for a decoder-only LM)
