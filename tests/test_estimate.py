@@ -227,6 +227,19 @@ def test_packed_rows_under_the_block_mask_add_a_mask_and_expand_kv():
     assert e["attention mask (packed rows)"] == 2 * 4096 * 4096
 
 
+def test_flash_attn_4_adds_its_host_runtime_per_rank():
+    """kernels.packed_attention flash_attn_4 loads the CUTLASS DSL and compiles its kernels in the
+    first step: host RSS per rank at every moment, nothing on the GPU, nothing without it."""
+    from longft.estimate.types import FLASH_ATTN_4_RANK_BYTES
+
+    base = estimate(LLAMA_1B, Setup(2, 4096, world_size=2, ranks_per_node=2))
+    fa4 = estimate(LLAMA_1B, Setup(2, 4096, world_size=2, ranks_per_node=2, flash_attn_4=True))
+    assert items(fa4, "host")["flash-attn-4 runtime"] == 2 * FLASH_ATTN_4_RANK_BYTES
+    assert fa4.host_rss - base.host_rss == 2 * FLASH_ATTN_4_RANK_BYTES
+    assert (fa4.gpu_allocated, fa4.gpu_nvml) == (base.gpu_allocated, base.gpu_nvml)
+    assert "flash-attn-4 runtime" not in items(base, "host")
+
+
 def test_lora_trains_only_adapters():
     s = Setup(1, 4096, lora_rank=8, lora_targets=("q_proj", "v_proj"))
     e = items(estimate(LLAMA_1B, s))

@@ -55,10 +55,6 @@ KNOWN_MISSES = {
     # full-parameter rows have (+1.64 GiB above the baseline, fitted on them, cause not attributed);
     # the LoRA rows peak after the last step at 3.68-3.84 GiB (1B and 8B alike) against 4.94.
     *((f"{row}.json", "dram_rss_tree") for row in LORA_ROWS),
-    # The 1B packed varlen row at b7b270f: 5.58 GiB host RSS against 4.94 (-11.5 %; 5.41 at 31adfae,
-    # the same params); the all-GPU 1B rows sit at 5.4-5.6 GiB, where 0.5 GiB is the 10 % bar. Its
-    # per-document twins measured 5.42 (-8.8 %). Not attributed.
-    ("h200-1b-16k-packed-varlen.json", "dram_rss_tree"),
     # Uncapped, DeepSpeed's side-stream pools cache 82 GiB reserved for 35 GiB allocated; capped at
     # 40 GiB (the cap40 row) the allocator flushes them and the run fits at the same speed.
     ("h200-8b-128k-offload.json", "vram_max_reserved"),

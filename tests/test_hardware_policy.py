@@ -216,7 +216,7 @@ def test_packed_attention_resolves_per_gpu_generation_by_measurement():
         return resolve(from_dict(params), hw, "llama")["packed_attention"]
 
     c = packed({"data": {"max_seq_length": 131072}}, h200)
-    assert c.value == "per_document" and "cuDNN" in c.reason and "14,462" in c.reason
+    assert c.value == "per_document" and "cuDNN" in c.reason and "14,575" in c.reason
     assert packed({"data": {"max_seq_length": 32768}}, h200).value == "per_document"
     short = packed({"data": {"max_seq_length": 32767}}, h200)
     assert short.value == "varlen" and "39,669" in short.reason
@@ -274,6 +274,16 @@ def test_flash_attn_4_runs_only_where_it_can_and_keeps_nothing():
     got = resolve(from_dict(ask), h200, "llama")["packed_attention"]
     assert (got.value, got.reason) == ("flash_attn_4", "set in params")
     a100 = dataclasses.replace(h200, gpu_name="NVIDIA A100-SXM4-40GB", capability=(8, 0))
+    # auto: flash-attn-4 where it is installed on Hopper and newer (measured fastest at every
+    # length), unless keep_attention asks for what it cannot keep; never below 9.0
+    for seq in (16384, 131072):
+        got = resolve(from_dict({"data": {"max_seq_length": seq}}), h200, "llama")["packed_attention"]
+        assert got.value == "flash_attn_4" and "49,447" in got.reason
+    kept = resolve(from_dict({"checkpointing": {"keep_attention": 4}}), h200, "llama")["packed_attention"]
+    assert kept.value == "varlen" and "cannot keep its outputs" in kept.reason
+    assert resolve(from_dict({}), dataclasses.replace(h200, flash_attn_4=False),
+                   "llama")["packed_attention"].value == "varlen"
+    assert resolve(from_dict({}), a100, "llama")["packed_attention"].value == "varlen"
     for params, hw, msg in (
             (ask, dataclasses.replace(h200, flash_attn_4=False), "pip install flash-attn-4"),
             (ask, a100, r"Hopper or Blackwell GPU \(compute capability >= 9.0; NVIDIA A100-SXM4-40GB is 8.0\)"),

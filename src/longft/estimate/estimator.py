@@ -120,6 +120,7 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         host_grad_buffer=r.host_grad_buffer.value,
         # packed rows build a [seq x seq] mask only under kernels.packed_attention: mask
         block_mask=r.packed_attention.value == "mask" and cfg.data.pack and cfg.data.source != "random",
+        flash_attn_4=r.packed_attention.value == "flash_attn_4",
         lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.target_modules),
         sequence_parallel=cfg.hardware.sequence_parallel)
 

@@ -8,6 +8,7 @@ from longft.estimate.arch import Numbers, share
 from longft.estimate.types import (
     CPU_LAUNCHER_BASE_BYTES,
     CPU_RANK_BASE_BYTES,
+    FLASH_ATTN_4_RANK_BYTES,
     GIB,
     HOST_PHASES,
     LAUNCHER_BASE_BYTES,
@@ -88,6 +89,10 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
                       else (CPU_LAUNCHER_BASE_BYTES, CPU_RANK_BASE_BYTES))
     out = [Item("process baseline", "host", launcher + R * rank, HOST_PHASES,
                 f"launcher {launcher / GIB:.2f} GiB + {R} rank(s) x {rank / GIB:.2f} GiB")]
+    if cuda and s.flash_attn_4:
+        out.append(Item("flash-attn-4 runtime", "host", R * FLASH_ATTN_4_RANK_BYTES, HOST_PHASES,
+                        f"{R} rank(s) x {FLASH_ATTN_4_RANK_BYTES / GIB:.2f} GiB: the CUTLASS DSL's "
+                        "libraries and its first-step kernel compile"))
     setup = SETUP_LAUNCHER_BYTES + R * SETUP_RANK_BYTES
     if cuda and setup > out[0].bytes:   # the start-up peak, over before the pinned buffers fill
         out.append(Item("start-up peak above the baseline", "host", setup - out[0].bytes,

@@ -53,6 +53,11 @@ memory show as their RSS peak: 4.94 GiB with one rank (rows a, a-fp16) and 6.51 
 (row e, 1B), solved as launcher side 3.37 GiB + 1.57 GiB a rank. It is transient: row a' adds 4 GiB
 of pinned checkpoints and peaks at 3.30 + 4.0 = 7.2 GiB, not 4.94 + 4.0. The host peak is the larger
 of the two moments (estimate_host.HOST_PHASES)."""
+FLASH_ATTN_4_RANK_BYTES = int(0.14 * GIB)
+"""Host RSS a rank adds with kernels.packed_attention flash_attn_4: the CUTLASS DSL's MLIR
+libraries (~240 MB of shared objects) and the JIT compile of its kernels in the first step. On the
+H200 at 86755d2 the four Llama-3.2-1B flash_attn_4 rows peaked at 5.556-5.559 GiB against
+5.415-5.418 for the same rows with varlen / per_document."""
 CPU_RANK_BASE_BYTES = int(0.645 * GIB)
 CPU_LAUNCHER_BASE_BYTES = int(0.39 * GIB)
 """The same two on a CPU-only run (no CUDA libraries): with the tiny model's tensors (0.04 GiB)
@@ -105,6 +110,7 @@ class Setup:
     host_grad_buffer: str = "full"   # full | shared (grad_buffer.py): DeepSpeed's host gradient copy
     block_mask: bool = False         # packed rows under transformers' dense [s x s] block mask
                                      # (kernels.packed_attention: mask; per-document attention has none)
+    flash_attn_4: bool = False       # kernels.packed_attention flash_attn_4 (its host runtime)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     sequence_parallel: int = 1       # hardware.sequence_parallel: each rank holds seq / N tokens

@@ -197,13 +197,16 @@ def packed_rows(cfg: Config) -> bool:
 
 
 PER_DOCUMENT_FROM = 32768
-"""On Hopper, packed rows of at least this many tokens run cuDNN SDPA per document (on cuDNN's
-ragged path, model/packed_attention.py); shorter ones run torch's varlen_attn. Measured on the H200
-(BENCHMARKS.md, commit b7b270f): end to end with Llama-3.2-1B at 16K, micro-batch 4, varlen 39,669
-tok/s against 38,114 per document; at 128K per document 14,462 (varlen 11,695 at 31adfae). Per
-kernel call with new document lengths every call (scripts/packed_attention_probe.py), cuDNN per
-document is level with varlen at 16K (1B: 6.4 against 6.3 ms) and 20-31 % faster from 32K (1B:
-18.7 against 23.3 ms; 8B: 28.5 against 41.1). The 32K boundary itself was not run end to end."""
+"""On Hopper without flash-attn-4 (or with checkpointing.keep_attention), packed rows of at least
+this many tokens run cuDNN SDPA per document (on cuDNN's ragged path, model/packed_attention.py);
+shorter ones run torch's varlen_attn. Measured end to end on the H200 with Llama-3.2-1B
+(BENCHMARKS.md, "Packed rows"): at 16K, micro-batch 4, varlen 39,669 tok/s against 38,114 per
+document (b7b270f); at 32K, micro-batch 2, per document 34,598 against 33,008; at 64K 25,065
+against 21,789; at 128K 14,575 (86755d2; varlen 11,695 at 31adfae). Per kernel call with new
+document lengths every call (scripts/packed_attention_probe.py), cuDNN per document is level with
+varlen at 16K and 20-31 % faster from 32K. With flash-attn-4 installed, auto takes its kernel at
+every length instead: 21-26 % faster than the best of these end to end (49,447 / 43,246 / 31,473 /
+18,311 tok/s at 16K / 32K / 64K / 128K, 86755d2)."""
 
 
 LONGFT_KERNELS = ("varlen", "per_document", "flash_attn_4")
@@ -230,10 +233,11 @@ def flash_attn_4_problems(cfg: Config, hw: Hardware, device: str) -> list[str]:
 def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
                              attention: str) -> tuple[Choice, list[str]]:
     """How attention runs over rows that pack several documents (model/packed_attention.py).
-    auto, by measurement (PER_DOCUMENT_FROM): on Hopper cuDNN SDPA per document from 32K-token
-    rows, torch's varlen_attn below; varlen_attn on Ampere (its flash kernel is the fast one
-    there; unmeasured on an Ampere card); SDPA per document on a V100 (the memory-efficient
-    kernel; varlen_attn needs >= 8.0) and on CPU."""
+    auto, by measurement (PER_DOCUMENT_FROM): on Hopper and newer flash-attn-4's varlen kernel
+    where it is installed (not with keep_attention, which cannot keep its outputs), else cuDNN
+    SDPA per document from 32K-token rows and torch's varlen_attn below; varlen_attn on Ampere
+    (its flash kernel is the fast one there; unmeasured on an Ampere card); SDPA per document on a
+    V100 (the memory-efficient kernel; varlen_attn needs >= 8.0) and on CPU."""
     pa, cap_s = cfg.kernels.packed_attention, _capability(hw)
     seq = cfg.data.max_seq_length
     if not packed_rows(cfg):
@@ -259,14 +263,21 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
         if device != "cuda":
             return Choice("per_document", "auto: CPU; SDPA once per document"), []
         hopper = hw.capability is not None and hw.capability >= (9, 0)
+        fa4_ok = hopper and hw.flash_attn_4
+        if fa4_ok and not cfg.checkpointing.keep_attention:
+            return Choice("flash_attn_4", f"auto: capability {cap_s}, flash-attn-4 installed: its "
+                          "varlen kernel (H200, 1B: 49,447 tok/s at 16K against 40,872 with "
+                          "varlen_attn; 18,311 at 128K against 14,575 with cuDNN per document)"), []
+        unkept = (" (flash-attn-4 is installed, but checkpointing.keep_attention cannot keep its "
+                  "outputs)" if fa4_ok else "")
         if hopper and (seq >= PER_DOCUMENT_FROM or not varlen_ok):
             return Choice("per_document", f"auto: capability {cap_s}, rows of {seq:,} tokens: "
-                          "cuDNN SDPA per document, ragged plans (H200, 128K: 14,462 tok/s "
-                          "against 11,695 with varlen_attn)"), []
+                          "cuDNN SDPA per document, ragged plans (H200, 128K: 14,575 tok/s "
+                          "against 11,695 with varlen_attn; 32K: 34,598 against 33,008)" + unkept), []
         if hopper:
             return Choice("varlen", f"auto: capability {cap_s}, rows of {seq:,} < "
                           f"{PER_DOCUMENT_FROM:,} tokens: torch's varlen_attn (H200, 16K: 39,669 "
-                          "tok/s against 38,114 with cuDNN per document)"), []
+                          "tok/s against 38,114 with cuDNN per document)" + unkept), []
         if varlen_ok:
             return Choice("varlen", f"auto: capability {cap_s}: torch's varlen_attn (the flash "
                           "kernel, one call for every document)"), []
