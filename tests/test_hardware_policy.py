@@ -284,6 +284,16 @@ def test_flash_attn_4_runs_only_where_it_can_and_keeps_nothing():
     assert resolve(from_dict({}), dataclasses.replace(h200, flash_attn_4=False),
                    "llama")["packed_attention"].value == "varlen"
     assert resolve(from_dict({}), a100, "llama")["packed_attention"].value == "varlen"
+    # flash-attn 2 installed too: auto attention gives packed rows to flash-attn-4 (sdpa), but only
+    # where flash-attn-4 will run them
+    both = dataclasses.replace(h200, flash_attn=True)
+    r = resolve(from_dict({}), both, "llama")
+    assert (r["attention"].value, r["packed_attention"].value) == ("sdpa", "flash_attn_4")
+    assert "flash-attn-4 installed" in r["attention"].reason
+    for params in ({"checkpointing": {"keep_attention": 4}}, {"data": {"pack": False}}):
+        assert resolve(from_dict(params), both, "llama")["attention"].value == "flash_attention_2", params
+    assert resolve(from_dict({}), dataclasses.replace(both, flash_attn_4=False),
+                   "llama")["attention"].value == "flash_attention_2"
     for params, hw, msg in (
             (ask, dataclasses.replace(h200, flash_attn_4=False), "pip install flash-attn-4"),
             (ask, a100, r"Hopper or Blackwell GPU \(compute capability >= 9.0; NVIDIA A100-SXM4-40GB is 8.0\)"),
