@@ -294,11 +294,23 @@ def test_flash_attn_4_runs_only_where_it_can_and_keeps_nothing():
         assert resolve(from_dict(params), both, "llama")["attention"].value == "flash_attention_2", params
     assert resolve(from_dict({}), dataclasses.replace(both, flash_attn_4=False),
                    "llama")["attention"].value == "flash_attention_2"
+    # a pinned longft kernel with flash-attn 2 installed: auto attention makes way for it
+    pin = resolve(from_dict({"kernels": {"packed_attention": "per_document"}}), both, "llama")
+    assert (pin["attention"].value, pin["packed_attention"].value) == ("sdpa", "per_document")
+    # fp32: flash-attn-4 runs bf16 / fp16 only; auto passes it by and says why, a pin is refused
+    fp32 = resolve(from_dict({"precision": "fp32"}), h200, "llama")["packed_attention"]
+    assert fp32.value == "varlen" and "runs bf16 / fp16, not fp32" in fp32.reason
+    # Blackwell: not measured there, so auto leaves it to the user
+    b200 = dataclasses.replace(h200, gpu_name="NVIDIA B200", capability=(10, 0))
+    bw = resolve(from_dict({}), b200, "llama")["packed_attention"]
+    assert bw.value == "varlen" and "set it for 10.0" in bw.reason
+    assert resolve(from_dict(ask), b200, "llama")["packed_attention"].value == "flash_attn_4"
     for params, hw, msg in (
             (ask, dataclasses.replace(h200, flash_attn_4=False), "pip install flash-attn-4"),
             (ask, a100, r"Hopper or Blackwell GPU \(compute capability >= 9.0; NVIDIA A100-SXM4-40GB is 8.0\)"),
             (ask, Hardware(device="cpu", host_mem_gib=24, cpu_count=2, flash_attn_4=True), "no CUDA GPU"),
             ({**ask, "checkpointing": {"keep_attention": 2}}, h200, "keep_attention cannot keep flash-attn-4"),
+            ({**ask, "precision": "fp32"}, h200, "flash_attn_4 runs bf16 or fp16, not fp32"),
             ({"kernels": {"packed_attention": "flash_attn_4", "attention": "eager"}}, h200,
              "needs kernels.attention sdpa"),
             ({"kernels": {"packed_attention": "flash_attn_4", "attention": "flash_attention_2"}},
@@ -307,19 +319,39 @@ def test_flash_attn_4_runs_only_where_it_can_and_keeps_nothing():
             resolve(from_dict(params), hw, "llama")
 
 
-def test_detect_tells_flash_attn_2_from_flash_attn_4(tmp_path, monkeypatch):
-    """flash-attn-4 installs flash_attn.cute alone (flash_attn is then a namespace package):
-    that is not flash-attn 2, whose CUDA extension transformers' flash_attention_2 needs."""
+def test_detect_tells_flash_attn_2_from_flash_attn_4(monkeypatch):
+    """Both write into the package flash_attn: flash-attn-4 only flash_attn.cute, and flash-attn 2.8
+    ships a flash_attn/cute of its own (without the CUTLASS DSL). Each is told by the distribution
+    that provides flash_attn; flash-attn 2 also by its CUDA extension where a source build left no
+    metadata."""
+    from longft.hardware import machine
+
+    def world(providers, modules):
+        monkeypatch.setattr(machine, "_providers", lambda m: set(providers) if m == "flash_attn" else set())
+        monkeypatch.setattr(machine, "_has", lambda m: m in modules)
+        return machine.flash_attn_packages()
+
+    fa2_files = {"flash_attn", "flash_attn_2_cuda", "flash_attn.cute"}  # flash-attn 2.8.3's wheel
+    assert world({"flash-attn"}, fa2_files) == {"flash_attn": True, "flash_attn_4": False}
+    assert world({"flash-attn-4"}, {"flash_attn", "flash_attn.cute"}) == {"flash_attn": False,
+                                                                          "flash_attn_4": True}
+    assert world({"flash-attn", "flash-attn-4"}, fa2_files) == {"flash_attn": True, "flash_attn_4": True}
+    assert world(set(), fa2_files) == {"flash_attn": True, "flash_attn_4": False}  # source build
+    assert world(set(), set()) == {"flash_attn": False, "flash_attn_4": False}
+    assert world({"flash-attn-4"}, {"flash_attn"}) == {"flash_attn": False, "flash_attn_4": False}
+
+
+def test_providers_reads_the_installed_metadata(tmp_path, monkeypatch):
+    """_providers finds a distribution by the files its RECORD lists, with its name normalised."""
+    import importlib.metadata
     import sys
 
-    from longft.hardware.machine import detect
+    from longft.hardware import machine
 
-    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
-    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for m in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
-        monkeypatch.delitem(sys.modules, m)
-    hw = detect()
-    assert hw.flash_attn_4 and not hw.flash_attn
-    (tmp_path / "flash_attn_2_cuda.py").write_text("")
-    assert detect().flash_attn
+    info = tmp_path / "flash_attn_4-4.0.0b36.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flash_attn_4\nVersion: 4.0.0b36\n")
+    (info / "RECORD").write_text("flash_attn/cute/__init__.py,,\nflash_attn_4-4.0.0b36.dist-info/METADATA,,\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    assert "flash-attn-4" in machine._providers("flash_attn")
+    assert importlib.metadata.version("flash-attn-4") == "4.0.0b36"

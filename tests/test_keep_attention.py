@@ -167,6 +167,17 @@ def test_estimate_counts_each_kept_output_until_its_backward():
     assert kept.host_rss == plain.host_rss
 
 
+def test_planner_keeps_no_attention_output_of_flash_attn_4():
+    """flash-attn-4's kernels are not torch ops, so keep_attention cannot keep them (the policy
+    refuses the pair): the planner does not propose it where the run uses flash-attn-4."""
+    import dataclasses
+
+    s = _setup()
+    assert keep_on_gpu(LLAMA_8B, s, gpu_mem_gib=40, host_mem_gib=172).keep_attention > 0
+    fa4 = keep_on_gpu(LLAMA_8B, dataclasses.replace(s, flash_attn_4=True), gpu_mem_gib=40, host_mem_gib=172)
+    assert fa4.keep_attention == 0
+
+
 def test_planner_keeps_attention_before_checkpoints_and_ranks_it_faster():
     s = _setup()
     assert step_seconds(LLAMA_8B, _setup(keep_attention=8), "H200") < step_seconds(LLAMA_8B, s, "H200")

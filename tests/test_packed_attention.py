@@ -353,3 +353,14 @@ def test_flash_attn_4_matches_per_document_at_llama_head_dims(head_dim):
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
     for a, b, name in zip(*grads, "qkv"):
         assert (a - b).norm() <= 2e-2 * b.norm(), (name, float((a - b).norm()), float(b.norm()))
+
+
+def test_kernels_without_dropout_say_that_training_falls_back_per_document(capsys):
+    """A model with attention dropout: varlen / flash_attn_4 cannot apply it, so training runs SDPA
+    per document (exact, with dropout); install says so rather than switching silently."""
+    model = tiny()
+    model.config.attention_dropout = 0.1
+    pa.install(model, "varlen")
+    assert "attention_dropout is 0.1; varlen has no dropout" in capsys.readouterr().out
+    pa.install(tiny(), "varlen")
+    assert "attention_dropout" not in capsys.readouterr().out

@@ -67,7 +67,7 @@ class Resolved:
     """The pinned SDPA kernel order: default (PyTorch's own) | flash | cudnn | efficient | math."""
     packed_attention: Choice[str]
     """Attention over rows of several documents: none (one document a row) | varlen |
-    per_document (longft's attention function, model/packed_attention.py) | flash_attention_2
+    per_document | flash_attn_4 (longft's attention function, model/packed_attention.py) | flash_attention_2
     (its own variable-length path) | mask (transformers' dense block mask)."""
     liger: Choice[bool]
     """Liger kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy)."""

@@ -36,6 +36,25 @@ def _has(module: str) -> bool:
         return False
 
 
+def _providers(module: str) -> set[str]:
+    """The installed distributions (normalised names) that ship the top-level package `module`."""
+    import importlib.metadata
+
+    found = importlib.metadata.packages_distributions().get(module, [])
+    return {d.lower().replace("_", "-") for d in found}
+
+
+def flash_attn_packages() -> dict[str, bool]:
+    """{"flash_attn": flash-attn 2 is installed, "flash_attn_4": flash-attn-4 is}. Both write into
+    the package `flash_attn` (flash-attn-4 only flash_attn.cute; flash-attn 2.8 ships a
+    flash_attn/cute of its own, without the CUTLASS DSL it needs), so each is told by the
+    distribution that provides it, as transformers does; flash-attn 2 also by its CUDA extension
+    (flash_attn_2_cuda), which a source build without package metadata still has."""
+    who = _providers("flash_attn")
+    return {"flash_attn": _has("flash_attn_2_cuda") and ("flash-attn" in who or not who),
+            "flash_attn_4": "flash-attn-4" in who and _has("flash_attn.cute")}
+
+
 def detect() -> Hardware:
     """Look at the real machine (no CUDA context is kept if there is no GPU)."""
     import psutil
@@ -43,8 +62,7 @@ def detect() -> Hardware:
 
     host = psutil.virtual_memory().total / 2**30
     common = dict(host_mem_gib=round(host, 1), cpu_count=os.cpu_count() or 1,
-                  # flash-attn 2's CUDA extension: flash-attn-4 installs flash_attn.cute alone
-                  flash_attn=_has("flash_attn_2_cuda"), flash_attn_4=_has("flash_attn.cute"),
+                  **flash_attn_packages(),
                   liger=importlib.util.find_spec("liger_kernel") is not None,
                   varlen_attn=importlib.util.find_spec("torch.nn.attention.varlen") is not None)
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:

@@ -47,9 +47,9 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     problems.extend(check_num_gpus(cfg, hw, device))
     precision = put("precision", resolve_precision(cfg, hw, device))
     problems.extend(check_optimizer_states(cfg, precision))
-    attention = put("attention", resolve_attention(cfg, hw, device, softcap))
+    attention = put("attention", resolve_attention(cfg, hw, device, softcap, precision))
     put("sdpa_backend", resolve_sdpa_backend(cfg, hw, device, attention))
-    packed = put("packed_attention", resolve_packed_attention(cfg, hw, device, attention))
+    packed = put("packed_attention", resolve_packed_attention(cfg, hw, device, attention, precision))
     problems.extend(sequence_parallel.problems(cfg, attention, packed, *(heads or (None, None))))
     put("liger", resolve_liger(cfg, hw, device, model_type))
     put("tiled_mlp", resolve_tiled_mlp(cfg))
@@ -120,8 +120,8 @@ def resolve_precision(cfg: Config, hw: Hardware, device: str) -> tuple[Choice, l
     return Choice(p, "set in params"), []
 
 
-def resolve_attention(cfg: Config, hw: Hardware, device: str,
-                      softcap: float | None = None) -> tuple[Choice, list[str]]:
+def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | None = None,
+                      precision: str = "bf16") -> tuple[Choice, list[str]]:
     """auto: FlashAttention-2 where flash-attn is installed on compute capability >= 8.0, else SDPA.
     A model that softcaps its attention logits (Gemma 2: attn_logit_softcapping) needs a kernel
     that applies the cap, which SDPA (and longft's packed attention over it) cannot: auto takes
@@ -143,7 +143,11 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str,
                 f"(attn_logit_softcapping {softcap:g}): it would train a different model; set "
                 "kernels.attention: auto, eager or flash_attention_2"]
     if a == "auto":
-        if fa2 and fa4_for_packed_rows(cfg, hw):
+        pinned = cfg.kernels.packed_attention
+        if fa2 and packed_rows(cfg) and pinned in LONGFT_KERNELS:
+            return Choice("sdpa", f"auto: kernels.packed_attention {pinned} is longft's attention "
+                          "function, which takes the place of SDPA"), []
+        if fa2 and fa4_for_packed_rows(cfg, hw, precision):
             return Choice("sdpa", f"auto: capability {cap_s}, flash-attn-4 installed and rows that "
                           "pack several documents: SDPA, so that packed rows run flash-attn-4's "
                           "varlen kernel (H200: 21 % faster than FlashAttention-2's varlen kernels "
@@ -214,11 +218,13 @@ every length instead: 21-26 % faster than the best of these end to end (49,447 /
 18,311 tok/s at 16K / 32K / 64K / 128K, 86755d2)."""
 
 
-def fa4_for_packed_rows(cfg: Config, hw: Hardware) -> bool:
-    """Whether auto runs packed rows on flash-attn-4: installed, Hopper or newer, rows that pack
-    several documents, no keep_attention (which cannot keep its outputs)."""
-    return (hw.device == "cuda" and hw.capability is not None and hw.capability >= (9, 0)
-            and hw.flash_attn_4 and packed_rows(cfg) and not cfg.checkpointing.keep_attention
+def fa4_for_packed_rows(cfg: Config, hw: Hardware, precision: str) -> bool:
+    """Whether auto runs packed rows on flash-attn-4: installed on Hopper (compute capability 9.x,
+    where it was measured; Blackwell takes it when asked), bf16 or fp16, rows that pack several
+    documents, no keep_attention (which cannot keep its outputs)."""
+    return (hw.device == "cuda" and hw.capability is not None and hw.capability[0] == 9
+            and hw.flash_attn_4 and precision in ("bf16", "fp16") and packed_rows(cfg)
+            and not cfg.checkpointing.keep_attention
             and cfg.kernels.packed_attention in ("auto", "flash_attn_4"))
 
 
@@ -226,9 +232,12 @@ LONGFT_KERNELS = ("varlen", "per_document", "flash_attn_4")
 """kernels.packed_attention values that are longft's attention function (model/packed_attention.py)."""
 
 
-def flash_attn_4_problems(cfg: Config, hw: Hardware, device: str) -> list[str]:
+def flash_attn_4_problems(cfg: Config, hw: Hardware, device: str, precision: str) -> list[str]:
     """Why kernels.packed_attention flash_attn_4 cannot run here ([] = it can)."""
     out = []
+    if precision not in ("bf16", "fp16"):
+        out.append(f"kernels.packed_attention: flash_attn_4 runs bf16 or fp16, not {precision}; "
+                   "set precision: auto (bf16) or kernels.packed_attention: auto")
     if device != "cuda" or hw.capability is None or hw.capability < (9, 0):
         where = "no CUDA GPU" if device != "cuda" else f"{hw.gpu_name} is {_capability(hw)}"
         out.append("kernels.packed_attention: flash_attn_4 needs a Hopper or Blackwell GPU "
@@ -243,8 +252,8 @@ def flash_attn_4_problems(cfg: Config, hw: Hardware, device: str) -> list[str]:
     return out
 
 
-def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
-                             attention: str) -> tuple[Choice, list[str]]:
+def resolve_packed_attention(cfg: Config, hw: Hardware, device: str, attention: str,
+                             precision: str = "bf16") -> tuple[Choice, list[str]]:
     """How attention runs over rows that pack several documents (model/packed_attention.py).
     auto, by measurement (PER_DOCUMENT_FROM): on Hopper and newer flash-attn-4's varlen kernel
     where it is installed (not with keep_attention, which cannot keep its outputs), else cuDNN
@@ -259,7 +268,7 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
     if attention == "flash_attention_2":
         if pa in LONGFT_KERNELS:
             return Choice("flash_attention_2", "set in params"), [
-                f"kernels.packed_attention: {pa} is longft's SDPA-based attention, but "
+                f"kernels.packed_attention: {pa} is longft's attention function (in SDPA's place), but "
                 "kernels.attention is flash_attention_2, which runs packed rows with flash-attn's "
                 "variable-length kernel itself; set kernels.packed_attention: auto or kernels.attention: sdpa"]
         return Choice("flash_attention_2", "flash-attn's variable-length kernel, from the "
@@ -277,12 +286,16 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
             return Choice("per_document", "auto: CPU; SDPA once per document"), []
         hopper = hw.capability is not None and hw.capability >= (9, 0)
         fa4_ok = hopper and hw.flash_attn_4
-        if fa4_for_packed_rows(cfg, hw):
+        if fa4_for_packed_rows(cfg, hw, precision):
             return Choice("flash_attn_4", f"auto: capability {cap_s}, flash-attn-4 installed: its "
                           "varlen kernel (H200, 1B: 49,447 tok/s at 16K against 40,872 with "
                           "varlen_attn; 18,311 at 128K against 14,575 with cuDNN per document)"), []
-        unkept = (" (flash-attn-4 is installed, but checkpointing.keep_attention cannot keep its "
-                  "outputs)" if fa4_ok else "")
+        unkept = ""
+        if fa4_ok:  # installed but not taken: say why
+            why = ("checkpointing.keep_attention cannot keep its outputs" if cfg.checkpointing.keep_attention
+                   else f"it runs bf16 / fp16, not {precision}" if precision not in ("bf16", "fp16")
+                   else f"auto takes it on Hopper, where it was measured; set it for {cap_s}")
+            unkept = f" (flash-attn-4 is installed, but {why})"
         if hopper and (seq >= PER_DOCUMENT_FROM or not varlen_ok):
             return Choice("per_document", f"auto: capability {cap_s}, rows of {seq:,} tokens: "
                           "cuDNN SDPA per document, ragged plans (H200, 128K: 14,575 tok/s "
@@ -299,7 +312,7 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str,
                       + ("" if not _ampere(hw) or hw.varlen_attn else
                          " (this torch has no varlen_attn)")), []
     if pa == "flash_attn_4":
-        return Choice(pa, "set in params"), flash_attn_4_problems(cfg, hw, device)
+        return Choice(pa, "set in params"), flash_attn_4_problems(cfg, hw, device, precision)
     if pa == "varlen" and not varlen_ok:
         why = ("a CUDA GPU" if device != "cuda" else f"compute capability >= 8.0 ({hw.gpu_name} "
                f"is {cap_s})" if not _ampere(hw) else "torch >= 2.10 (torch.nn.attention.varlen)")

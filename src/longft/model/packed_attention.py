@@ -248,6 +248,11 @@ def install(model, kernel: str) -> None:
             "kernels.packed_attention flash_attn_4: flash_attn.cute (the flash-attn-4 package) "
             "cannot be imported here; pip install flash-attn-4 or set kernels.packed_attention: auto")
 
+    dropout = getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0
+    if kernel in ("varlen", "flash_attn_4") and dropout > 0:
+        print(f"longft: notice: the model's attention_dropout is {dropout:g}; {kernel} has no "
+              "dropout, so packed rows run SDPA per document while training (exact, slower); "
+              "set the model's attention_dropout to 0 for the one-call kernel", flush=True)
     AttentionInterface.register(NAME, make_forward(kernel))
     for m in model.modules():  # the model and its sub-configs (one for a decoder-only LM)
         cfg = getattr(m, "config", None)

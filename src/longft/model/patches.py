@@ -61,7 +61,7 @@ def _check_softcap(model, packed: str) -> None:
     cap = attention_softcap(model.config)
     impl = getattr(model.config, "_attn_implementation", None)
     if cap and (packed in packed_attention.KERNELS or impl in ("sdpa", packed_attention.NAME)):
-        what = (f"kernels.packed_attention {packed} (SDPA per document / varlen_attn)"
+        what = (f"kernels.packed_attention {packed} (SDPA per document / varlen_attn / flash-attn-4)"
                 if packed in packed_attention.KERNELS else f"attention {impl}")
         raise PatchError(f"the model softcaps attention logits (attn_logit_softcapping {cap:g}), "
                          f"which {what} cannot apply; set kernels.attention: auto (eager or "
@@ -79,7 +79,7 @@ def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
           tiled_mlp: bool = False, tile_tokens: int = 8192, keep_attention: int = 0,
           packed: str = "none") -> dict:
     """Patch `model` in place; return the record of what was actually replaced. `packed` is the
-    resolved kernels.packed_attention: varlen / per_document install longft's per-document
+    resolved kernels.packed_attention: varlen / per_document / flash_attn_4 install longft's per-document
     attention (model/packed_attention.py); the other values leave attention as it is."""
     _check_softcap(model, packed)
     if liger:
