@@ -255,7 +255,7 @@ def flash_attn_4_problems(cfg: Config, hw: Hardware, device: str, precision: str
 def resolve_packed_attention(cfg: Config, hw: Hardware, device: str, attention: str,
                              precision: str = "bf16") -> tuple[Choice, list[str]]:
     """How attention runs over rows that pack several documents (model/packed_attention.py).
-    auto, by measurement (PER_DOCUMENT_FROM): on Hopper and newer flash-attn-4's varlen kernel
+    auto, by measurement (PER_DOCUMENT_FROM): on Hopper flash-attn-4's varlen kernel
     where it is installed (not with keep_attention, which cannot keep its outputs), else cuDNN
     SDPA per document from 32K-token rows and torch's varlen_attn below; varlen_attn on Ampere
     (its flash kernel is the fast one there; unmeasured on an Ampere card); SDPA per document on a
