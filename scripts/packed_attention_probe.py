@@ -13,7 +13,8 @@ generator's distribution, seed 0), and each kernel runs fwd+bwd on it:
   *_fresh            the same with new document lengths every call (seed = the call's index), as
                      training brings them: cuDNN builds a plan for every new shape unless
                      TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (run the probe once with it, once without)
-  fa4_varlen         flash-attn-4's flash_attn_varlen_func (CuTe DSL), where it is installed
+  fa4_varlen         flash-attn-4's flash_attn_varlen_func (CuTe DSL), where it is installed,
+                     through model/packed_attention.py's flash_attn_4 (training's call)
   mask_sdpa          SDPA with the dense block-diagonal [seq x seq] mask (16K only)
 Median of --iters (3 from 64K) after 2 warm-up calls; TFLOP/s counts causal attention per document
 (4 x d x heads x sum L_i^2 / 2, x 3.5 for fwd+bwd incl. the backward's recompute-free 2.5x).
@@ -44,16 +45,6 @@ def doc_lengths(seq: int, seed: int = 0) -> list[int]:
         out.append(min(sample_length(i, seed, seq), seq - sum(out)))
         i += 1
     return out
-
-
-def fa4_varlen():
-    """flash-attn-4's varlen function, or None where it is not installed or cannot load."""
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except Exception as e:  # noqa: BLE001 - not installed, or its CUDA libraries missing
-        print(json.dumps({"fa4": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
-        return None
-    return flash_attn_varlen_func
 
 
 def timed(fn, iters: int) -> tuple[float, list[float]]:
@@ -97,7 +88,9 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         gqa = {"native_gqa_runs": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     print(json.dumps(gqa), flush=True)
-    fa4 = fa4_varlen()
+    fa4 = pa.flash_attn_4_function() is not None  # training's own call (pa.flash_attn_4) is timed
+    if not fa4:
+        print(json.dumps({"fa4": "flash_attn.cute cannot be imported: fa4_varlen not timed"}), flush=True)
     for model, (h, g, d) in SHAPES.items():
         for seq in (16384, 32768, 65536, 128000, 131072):
             lens = doc_lengths(seq)
@@ -121,10 +114,7 @@ def main() -> int:
                 elif kind.startswith("varlen"):
                     o = pa.varlen(mod, q, k, v, cu, longest, None)
                 elif kind.startswith("fa4"):
-                    r = fa4(q.transpose(1, 2)[0], k.transpose(1, 2)[0], v.transpose(1, 2)[0],
-                            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                            max_seqlen_k=longest, causal=True)
-                    o = (r[0] if isinstance(r, tuple) else r)[None]
+                    o = pa.flash_attn_4(mod, q, k, v, cu, longest, None)
                 elif kind.startswith("per_document"):
                     backend = SDPBackend.FLASH_ATTENTION if "flash" in kind else SDPBackend.CUDNN_ATTENTION
                     with sdpa_kernel([backend]):

@@ -171,7 +171,7 @@ def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | 
                             None, host_mem_gib).host_ok
         g = min(_largest(host_over, 0, L) + 1, L)   # the fewest kept that the host needs
     k = 0
-    # flash-attn-4's kernels are not torch ops: keep_attention cannot keep them (hardware/policy.py)
+    # flash-attn-4's kernels are not torch ops: keep_attention cannot keep them (hardware/packed_policy.py)
     if (s.checkpointing in ("gpu", "cpu_offload") and fused_kernel(s.attention, s.sdpa_backend)
             and not s.flash_attn_4):
         k = max(0, _largest(lambda n: gpu_ok(gpu_layers=g, keep_attention=n), 0, L))

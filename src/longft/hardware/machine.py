@@ -24,6 +24,16 @@ class Hardware:
     flash_attn_4: bool = False
     """flash-attn-4 is installed (flash_attn.cute: CuTe DSL kernels for Hopper and Blackwell)."""
 
+    @property
+    def capability_text(self) -> str | None:
+        """The compute capability as messages print it ("8.0"), None without a GPU."""
+        return f"{self.capability[0]}.{self.capability[1]}" if self.capability else None
+
+    @property
+    def ampere(self) -> bool:
+        """Compute capability >= 8.0: bf16, FlashAttention-2 and SDPA's flash kernel."""
+        return self.capability is not None and self.capability >= (8, 0)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

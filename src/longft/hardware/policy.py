@@ -1,7 +1,8 @@
 """What hardware is here, and what every `auto` in params.yaml resolves to on it, with the reason.
 
 All hardware decisions happen here: one `resolve_<knob>()` per knob returns its `Choice` (the value
-*and* why) and its problems, and `resolve()` calls them in order. Impossible requests (bf16 or
+*and* why) and its problems, and `resolve()` calls them in order (kernels.packed_attention's, with
+the kernels measured per GPU generation, in hardware/packed_policy.py). Impossible requests (bf16 or
 FlashAttention-2 on a V100, a GPU asked for on a machine without one) are collected and raised
 together as a `PlanError` before any model is built. What the CPU cannot take is written once, in
 `longft.config.cpu_rules` (the config check applies it too). Tests pass a fake `Hardware`.
@@ -14,6 +15,12 @@ from longft.config.params import Config, ConfigError
 from longft.config.plan import Choice
 from longft.hardware import sequence_parallel
 from longft.hardware.machine import Hardware
+from longft.hardware.packed_policy import (
+    LONGFT_KERNELS,
+    flash_attn_4_auto,
+    packed_rows,
+    resolve_packed_attention,
+)
 
 # Model families whose decoder layers Liger can patch (liger_kernel.transformers.monkey_patch).
 LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
@@ -64,16 +71,6 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     return out
 
 
-def _capability(hw: Hardware) -> str | None:
-    """The compute capability as the messages print it ("8.0"), None without a GPU."""
-    return f"{hw.capability[0]}.{hw.capability[1]}" if hw.capability else None
-
-
-def _ampere(hw: Hardware) -> bool:
-    """Compute capability >= 8.0: bf16, FlashAttention-2 and SDPA's flash kernel."""
-    return hw.capability is not None and hw.capability >= (8, 0)
-
-
 def resolve_device(cfg: Config, hw: Hardware) -> tuple[Choice, list[str]]:
     """cuda or cpu; a GPU asked for on a machine without one is a problem (then cpu)."""
     h = cfg.hardware
@@ -108,15 +105,15 @@ def resolve_precision(cfg: Config, hw: Hardware, device: str) -> tuple[Choice, l
         if p == "auto":
             return Choice("bf16", "auto: bf16 on CPU (fp16 has no CPU kernels)"), []
         return Choice(p, "set in params"), cpu_rules.precision(p)
-    bf16_ok = _ampere(hw)
+    bf16_ok = hw.ampere
     if p == "auto":
         why = "supports bf16" if bf16_ok else "< 8.0 has no bf16; fp16 with dynamic loss scaling"
         return Choice("bf16" if bf16_ok else "fp16",
-                      f"auto: compute capability {_capability(hw)} {why}"), []
+                      f"auto: compute capability {hw.capability_text} {why}"), []
     if p == "bf16" and not bf16_ok:
         return Choice(p, "set in params"), [
             f"precision: bf16 needs compute capability >= 8.0 but {hw.gpu_name} "
-            f"is {_capability(hw)}; use fp16 (dynamic loss scaling) or auto"]
+            f"is {hw.capability_text}; use fp16 (dynamic loss scaling) or auto"]
     return Choice(p, "set in params"), []
 
 
@@ -126,8 +123,8 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
     A model that softcaps its attention logits (Gemma 2: attn_logit_softcapping) needs a kernel
     that applies the cap, which SDPA (and longft's packed attention over it) cannot: auto takes
     FlashAttention-2 where it runs, else eager, and says so; a pinned sdpa is refused."""
-    a, cap_s = cfg.kernels.attention, _capability(hw)
-    fa2 = device == "cuda" and _ampere(hw) and hw.flash_attn
+    a, cap_s = cfg.kernels.attention, hw.capability_text
+    fa2 = device == "cuda" and hw.ampere and hw.flash_attn
     if softcap:
         cap = f"the model softcaps attention logits (attn_logit_softcapping {softcap:g})"
         if a == "auto" and fa2:
@@ -147,15 +144,15 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
         if fa2 and packed_rows(cfg) and pinned in LONGFT_KERNELS:
             return Choice("sdpa", f"auto: kernels.packed_attention {pinned} is longft's attention "
                           "function, which takes the place of SDPA"), []
-        if fa2 and fa4_for_packed_rows(cfg, hw, precision):
+        if fa2 and flash_attn_4_auto(cfg, hw, precision)[0]:
             return Choice("sdpa", f"auto: capability {cap_s}, flash-attn-4 installed and rows that "
                           "pack several documents: SDPA, so that packed rows run flash-attn-4's "
                           "varlen kernel (H200: 21 % faster than FlashAttention-2's varlen kernels "
                           "inside torch) and single documents cuDNN"), []
-        if device == "cuda" and _ampere(hw) and hw.flash_attn:
+        if device == "cuda" and hw.ampere and hw.flash_attn:
             return Choice("flash_attention_2",
                           f"auto: flash-attn installed, capability {cap_s} >= 8.0"), []
-        if device == "cuda" and _ampere(hw):
+        if device == "cuda" and hw.ampere:
             return Choice("sdpa", "auto: flash-attn not installed; PyTorch SDPA"), []
         if device == "cuda":
             return Choice("sdpa", f"auto: capability {cap_s} < 8.0 cannot run FlashAttention-2; "
@@ -178,7 +175,7 @@ def resolve_sdpa_backend(cfg: Config, hw: Hardware, device: str,
                          attention: str) -> tuple[Choice, list[str]]:
     """The kernel SDPA tries first (only meaningful when attention is sdpa). auto: cuDNN on
     Hopper, flash on Ampere, memory-efficient below, PyTorch's own choice on CPU."""
-    sb, cap, cap_s = cfg.kernels.sdpa_backend, hw.capability, _capability(hw)
+    sb, cap, cap_s = cfg.kernels.sdpa_backend, hw.capability, hw.capability_text
     if attention != "sdpa":
         return Choice("default", f"attention is {attention}, not sdpa"), []
     if sb == "auto":
@@ -187,7 +184,7 @@ def resolve_sdpa_backend(cfg: Config, hw: Hardware, device: str,
         if cap is not None and cap >= (9, 0):
             return Choice("cudnn", f"auto: capability {cap_s}: cuDNN attention is "
                                    "1.6-1.9x faster than the flash kernel on Hopper"), []
-        if _ampere(hw):
+        if hw.ampere:
             return Choice("flash", f"auto: capability {cap_s}: the flash kernel"), []
         return Choice("efficient", f"auto: capability {cap_s} < 8.0 has no flash "
                                    "or cuDNN kernel; memory-efficient kernel, K/V heads expanded"), []
@@ -198,127 +195,6 @@ def resolve_sdpa_backend(cfg: Config, hw: Hardware, device: str,
         problems = [f"kernels.sdpa_backend: {sb} needs compute capability >= 8.0 but "
                     f"{hw.gpu_name} is {cap_s}; use efficient (or auto)"]
     return Choice(sb, "set in params"), problems
-
-
-def packed_rows(cfg: Config) -> bool:
-    """Whether rows can hold several documents (random rows and unpacked data hold one)."""
-    return cfg.data.pack and cfg.data.source != "random"
-
-
-PER_DOCUMENT_FROM = 32768
-"""On Hopper without flash-attn-4 (or with checkpointing.keep_attention), packed rows of at least
-this many tokens run cuDNN SDPA per document (on cuDNN's ragged path, model/packed_attention.py);
-shorter ones run torch's varlen_attn. Measured end to end on the H200 with Llama-3.2-1B
-(BENCHMARKS.md, "Packed rows"): at 16K, micro-batch 4, varlen 39,669 tok/s against 38,114 per
-document (b7b270f); at 32K, micro-batch 2, per document 34,598 against 33,008; at 64K 25,065
-against 21,789; at 128K 14,575 (86755d2; varlen 11,695 at 31adfae). Per kernel call with new
-document lengths every call (scripts/packed_attention_probe.py), cuDNN per document is level with
-varlen at 16K and 20-31 % faster from 32K. With flash-attn-4 installed, auto takes its kernel at
-every length instead: 21-26 % faster than the best of these end to end (49,447 / 43,246 / 31,473 /
-18,311 tok/s at 16K / 32K / 64K / 128K, 86755d2)."""
-
-
-def fa4_for_packed_rows(cfg: Config, hw: Hardware, precision: str) -> bool:
-    """Whether auto runs packed rows on flash-attn-4: installed on Hopper (compute capability 9.x,
-    where it was measured; Blackwell takes it when asked), bf16 or fp16, rows that pack several
-    documents, no keep_attention (which cannot keep its outputs)."""
-    return (hw.device == "cuda" and hw.capability is not None and hw.capability[0] == 9
-            and hw.flash_attn_4 and precision in ("bf16", "fp16") and packed_rows(cfg)
-            and not cfg.checkpointing.keep_attention
-            and cfg.kernels.packed_attention in ("auto", "flash_attn_4"))
-
-
-LONGFT_KERNELS = ("varlen", "per_document", "flash_attn_4")
-"""kernels.packed_attention values that are longft's attention function (model/packed_attention.py)."""
-
-
-def flash_attn_4_problems(cfg: Config, hw: Hardware, device: str, precision: str) -> list[str]:
-    """Why kernels.packed_attention flash_attn_4 cannot run here ([] = it can)."""
-    out = []
-    if precision not in ("bf16", "fp16"):
-        out.append(f"kernels.packed_attention: flash_attn_4 runs bf16 or fp16, not {precision}; "
-                   "set precision: auto (bf16) or kernels.packed_attention: auto")
-    if device != "cuda" or hw.capability is None or hw.capability < (9, 0):
-        where = "no CUDA GPU" if device != "cuda" else f"{hw.gpu_name} is {_capability(hw)}"
-        out.append("kernels.packed_attention: flash_attn_4 needs a Hopper or Blackwell GPU "
-                   f"(compute capability >= 9.0; {where}); use auto")
-    elif not hw.flash_attn_4:
-        out.append("kernels.packed_attention: flash_attn_4 needs the flash-attn-4 package "
-                   "(pip install flash-attn-4; flash_attn.cute is not importable here); use auto")
-    if cfg.checkpointing.keep_attention:
-        out.append("checkpointing.keep_attention cannot keep flash-attn-4's outputs (its kernels "
-                   "are not torch ops); set checkpointing.keep_attention: 0 or "
-                   "kernels.packed_attention: auto")
-    return out
-
-
-def resolve_packed_attention(cfg: Config, hw: Hardware, device: str, attention: str,
-                             precision: str = "bf16") -> tuple[Choice, list[str]]:
-    """How attention runs over rows that pack several documents (model/packed_attention.py).
-    auto, by measurement (PER_DOCUMENT_FROM): on Hopper flash-attn-4's varlen kernel
-    where it is installed (not with keep_attention, which cannot keep its outputs), else cuDNN
-    SDPA per document from 32K-token rows and torch's varlen_attn below; varlen_attn on Ampere
-    (its flash kernel is the fast one there; unmeasured on an Ampere card); SDPA per document on a
-    V100 (the memory-efficient kernel; varlen_attn needs >= 8.0) and on CPU."""
-    pa, cap_s = cfg.kernels.packed_attention, _capability(hw)
-    seq = cfg.data.max_seq_length
-    if not packed_rows(cfg):
-        why = "data.pack is false" if not cfg.data.pack else "random rows"
-        return Choice("none", f"{why}: one document a row, the single-sequence kernel"), []
-    if attention == "flash_attention_2":
-        if pa in LONGFT_KERNELS:
-            return Choice("flash_attention_2", "set in params"), [
-                f"kernels.packed_attention: {pa} is longft's attention function (in SDPA's place), but "
-                "kernels.attention is flash_attention_2, which runs packed rows with flash-attn's "
-                "variable-length kernel itself; set kernels.packed_attention: auto or kernels.attention: sdpa"]
-        return Choice("flash_attention_2", "flash-attn's variable-length kernel, from the "
-                      "document boundaries (no mask)") if pa != "mask" else Choice("mask", "set in params"), []
-    if attention == "eager":
-        if pa in LONGFT_KERNELS:
-            return Choice(pa, "set in params"), [
-                f"kernels.packed_attention: {pa} needs kernels.attention sdpa (eager computes "
-                "the full score matrix itself); set kernels.attention: sdpa or packed_attention: auto"]
-        return Choice("mask", "eager attention: transformers' block mask (eager builds "
-                      "[seq x seq] scores anyway; use sdpa for long rows)"), []
-    varlen_ok = device == "cuda" and _ampere(hw) and hw.varlen_attn
-    if pa == "auto":
-        if device != "cuda":
-            return Choice("per_document", "auto: CPU; SDPA once per document"), []
-        hopper = hw.capability is not None and hw.capability >= (9, 0)
-        fa4_ok = hopper and hw.flash_attn_4
-        if fa4_for_packed_rows(cfg, hw, precision):
-            return Choice("flash_attn_4", f"auto: capability {cap_s}, flash-attn-4 installed: its "
-                          "varlen kernel (H200, 1B: 49,447 tok/s at 16K against 40,872 with "
-                          "varlen_attn; 18,311 at 128K against 14,575 with cuDNN per document)"), []
-        unkept = ""
-        if fa4_ok:  # installed but not taken: say why
-            why = ("checkpointing.keep_attention cannot keep its outputs" if cfg.checkpointing.keep_attention
-                   else f"it runs bf16 / fp16, not {precision}" if precision not in ("bf16", "fp16")
-                   else f"auto takes it on Hopper, where it was measured; set it for {cap_s}")
-            unkept = f" (flash-attn-4 is installed, but {why})"
-        if hopper and (seq >= PER_DOCUMENT_FROM or not varlen_ok):
-            return Choice("per_document", f"auto: capability {cap_s}, rows of {seq:,} tokens: "
-                          "cuDNN SDPA per document, ragged plans (H200, 128K: 14,575 tok/s "
-                          "against 11,695 with varlen_attn; 32K: 34,598 against 33,008)" + unkept), []
-        if hopper:
-            return Choice("varlen", f"auto: capability {cap_s}, rows of {seq:,} < "
-                          f"{PER_DOCUMENT_FROM:,} tokens: torch's varlen_attn (H200, 16K: 39,669 "
-                          "tok/s against 38,114 with cuDNN per document)" + unkept), []
-        if varlen_ok:
-            return Choice("varlen", f"auto: capability {cap_s}: torch's varlen_attn (the flash "
-                          "kernel, one call for every document)"), []
-        return Choice("per_document", f"auto: capability {cap_s}: SDPA per document"
-                      + ("" if _ampere(hw) else " (memory-efficient kernel; varlen_attn needs >= 8.0)")
-                      + ("" if not _ampere(hw) or hw.varlen_attn else
-                         " (this torch has no varlen_attn)")), []
-    if pa == "flash_attn_4":
-        return Choice(pa, "set in params"), flash_attn_4_problems(cfg, hw, device, precision)
-    if pa == "varlen" and not varlen_ok:
-        why = ("a CUDA GPU" if device != "cuda" else f"compute capability >= 8.0 ({hw.gpu_name} "
-               f"is {cap_s})" if not _ampere(hw) else "torch >= 2.10 (torch.nn.attention.varlen)")
-        return Choice(pa, "set in params"), [
-            f"kernels.packed_attention: varlen needs {why}; use per_document (or auto)"]
-    return Choice(pa, "set in params"), []
 
 
 def resolve_liger(cfg: Config, hw: Hardware, device: str, model_type: str) -> tuple[Choice, list[str]]:

@@ -134,6 +134,12 @@ def _bshd(t):
     return t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _tokens(t):
+    """[b, heads, s, d] as the [b * s, heads, d] token rows the varlen kernels take."""
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, h, d)
+
+
 @lru_cache(maxsize=None)
 def _varlen_signature() -> frozenset:
     from torch.nn.attention.varlen import varlen_attn
@@ -157,9 +163,7 @@ def varlen(module, query, key, value, cu, longest: int, scaling):
         extra["is_causal"] = True
     else:  # torch 2.11 and later: causal is the window (-1, 0)
         extra["window_size"] = (-1, 0)
-    q = query.transpose(1, 2).reshape(b * s, h, d)
-    k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
-    v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+    q, k, v = _tokens(query), _tokens(key), _tokens(value)
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
     return out.view(b, s, h, d)
 
@@ -173,9 +177,7 @@ def flash_attn_4(module, query, key, value, cu, longest: int, scaling):
             "kernels.packed_attention flash_attn_4 needs the flash-attn-4 package (pip install "
             "flash-attn-4 on a Hopper or Blackwell GPU); set kernels.packed_attention: auto")
     b, h, s, d = query.shape
-    q = query.transpose(1, 2).reshape(b * s, h, d)
-    k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
-    v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+    q, k, v = _tokens(query), _tokens(key), _tokens(value)
     out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
              softmax_scale=scaling, causal=True)
     out = out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
