@@ -196,6 +196,11 @@ class OptimConfig:
     already applies lr). engine/ds_config.lr_factor."""
     min_lr_ratio: float = 0.1
     """cosine / linear: the lr of the last step, as a fraction of lr."""
+    name: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    """adamw = DeepSpeed's Adam (CPU Adam with offload_optimizer cpu). adamw_8bit = bitsandbytes'
+    8-bit AdamW: Adam's m and v in 8-bit blocks on the GPU (2 instead of 8 B per parameter), an
+    alternative to CPU offload (needs zero.offload_optimizer none and a CUDA GPU).
+    paged_adamw_8bit = the same in paged memory that spills to the host under memory pressure."""
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,10 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = (
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    quantize: Literal["none", "nf4", "int8"] = "none"
+    """LoRA only: the frozen base weights in bitsandbytes' 4-bit NF4 with double quantization
+    (QLoRA) or 8-bit, computing in the training dtype; the adapters stay in the training dtype.
+    none = base weights in the training dtype."""
 
 
 @dataclass(frozen=True)
