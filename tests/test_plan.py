@@ -24,7 +24,8 @@ def test_v100_resolves_fp16_sdpa():
     v = values(from_dict({}), V100)
     assert v == {"device": "cuda", "precision": "fp16", "attention": "sdpa",
                  "sdpa_backend": "efficient", "packed_attention": "per_document", "liger": True,
-                 "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full"}
+                 "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full",
+                 "quantize": "none"}
 
 
 def test_host_grad_buffer_auto_is_shared_only_where_exact():
@@ -97,7 +98,8 @@ def test_cpu_resolves_bf16_sdpa_no_liger():
     v = values(from_dict({}), CPU)
     assert v == {"device": "cpu", "precision": "bf16", "attention": "sdpa",
                  "sdpa_backend": "default", "packed_attention": "per_document", "liger": False,
-                 "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full"}
+                 "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full",
+                 "quantize": "none"}
 
 
 def test_liger_auto_off_for_unsupported_family():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from longft.config import cpu_rules
+from longft.config import cpu_rules, qlora
 
 if TYPE_CHECKING:
     from longft.config.params import Config
@@ -131,10 +131,12 @@ def problems(cfg: Config) -> list[str]:
             p.append("lora.target_modules: must name at least one module when lora.rank > 0")
     if not 0 <= cfg.lora.dropout < 1:
         p.append(f"lora.dropout: must be in [0, 1), got {cfg.lora.dropout}")
+    p += qlora.problems(cfg)
     if h.device == "cpu":  # device auto resolving to cpu: the same rules, in hardware.resolve
         p += (cpu_rules.precision(cfg.precision) + cpu_rules.checkpointing(cfg.checkpointing.mode)
               + cpu_rules.attention(cfg.kernels.attention) + cpu_rules.liger(cfg.kernels.liger)
-              + cpu_rules.vram_limit(h.vram_limit_gib) + cpu_rules.offload_ratio(cfg.zero.offload_ratio))
+              + cpu_rules.vram_limit(h.vram_limit_gib) + cpu_rules.offload_ratio(cfg.zero.offload_ratio)
+              + cpu_rules.optimizer(cfg.optim.name))
     return p
 
 

@@ -60,3 +60,11 @@ def offload_ratio(ratio: float) -> list[str]:
         return [f"zero.offload_ratio: {ratio} keeps part of the optimizer on a GPU; on CPU every "
                 "sub-group is on the host already (it would change nothing): set it to 1.0"]
     return []
+
+
+def optimizer(name: str) -> list[str]:
+    """Paged optimizer states live in CUDA unified memory."""
+    if name.startswith("paged_"):
+        return [f"optim.name: {name} pages its states through CUDA unified memory and needs a CUDA "
+                f"GPU; use adamw_8bit on CPU"]
+    return []

@@ -14,7 +14,7 @@ from typing import Literal, Optional, Union
 
 import yaml
 
-from longft.config import checks
+from longft.config import checks, qlora
 from longft.config.typed_yaml import DuplicateKeyError, build_dataclass, load_yaml
 from longft.errors import ProblemsError
 
@@ -360,7 +360,7 @@ def from_dict(raw: dict, source: str = "params.yaml") -> Config:
     problems += checks.problems(cfg)
     if problems:
         raise ConfigError(problems, source)
-    return cfg
+    return qlora.with_stage(cfg)
 
 
 def load(path: str | Path = "params.yaml", overrides: Optional[dict] = None) -> Config:

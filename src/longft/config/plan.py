@@ -9,6 +9,7 @@ versions wrote. A plan from before a knob existed gets what the code did then:
     resolved.sdpa_backend           "default"  (PyTorch picked the SDPA kernel itself)
     resolved.tiled_mlp              False      (no tiled MLP)
     resolved.host_grad_buffer       "full"     (DeepSpeed's own host gradient buffer)
+    resolved.quantize               "none"     (base weights in the training dtype)
     patches.attention_kept_layers   0          (no attention output kept)
     memory_estimate.estimate        None       (no prediction: the host-RAM check is skipped)
 Anything else missing, of the wrong type or unknown raises one `PlanFileError` that lists every
@@ -77,6 +78,9 @@ class Resolved:
     """none | gpu | cpu_offload."""
     host_grad_buffer: Choice[str]
     """full (DeepSpeed's host gradient buffer) | shared (one slot for all sub-groups)."""
+    quantize: Choice[str]
+    """The frozen base weights of a LoRA run: none (training dtype) | nf4 | int8 (bitsandbytes);
+    the reason says which ZeRO stage QLoRA runs on and why."""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "artifacts/plan.json") -> Resolved:
@@ -102,6 +106,7 @@ OLDER_DEFAULTS: Mapping[str, Choice] = MappingProxyType({
     "packed_attention": Choice("mask", f"{OLDER}: transformers' dense block mask"),
     "tiled_mlp": Choice(False, f"{OLDER}: off"),
     "host_grad_buffer": Choice("full", f"{OLDER}: DeepSpeed's full host gradient buffer"),
+    "quantize": Choice("none", f"{OLDER}: base weights in the training dtype"),
 })
 """The knobs a plan can lack, and what the code did before each existed."""
 

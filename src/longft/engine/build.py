@@ -8,6 +8,7 @@ from longft.config.plan import Plan
 from longft.errors import TrainingError
 from longft.model import patches as patch
 from longft.model.loading import build_model
+from longft.model.quantize import quantize_linears
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -16,7 +17,8 @@ def build(cfg: Config, plan: Plan, ds: dict):
     """(model, keep, offloader): the model as the trainer trains it, from the plan: created under
     ZeRO-3's zero.Init (`keep`, the HfDeepSpeedConfig that makes transformers do so, must live as
     long as the model), patched (Liger, SDPA backend, tiled MLP, kept attention, packed attention),
-    its checkpoints offloaded (`offloader`, or None) and LoRA-wrapped, in that order."""
+    its checkpoints offloaded (`offloader`, or None), its LoRA-targeted layers quantized
+    (lora.quantize, QLoRA) and LoRA-wrapped, in that order."""
     import torch
 
     r = plan.resolved
@@ -40,6 +42,8 @@ def build(cfg: Config, plan: Plan, ds: dict):
     if r.checkpointing.value == "cpu_offload":
         offloader = patch.offload_checkpoints(model, cfg.checkpointing.gpu_layers,
                                               cfg.checkpointing.prefetch)
+    if cfg.lora.quantize != "none":
+        quantize_linears(model, cfg.lora.target_modules, cfg.lora.quantize, dtype, _device(r))
     if cfg.lora.rank > 0:
         from peft import LoraConfig, get_peft_model
         # Adapters in the training dtype: peft's default upcasts them to fp32, and DeepSpeed never
@@ -51,4 +55,19 @@ def build(cfg: Config, plan: Plan, ds: dict):
             r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
             target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"),
             autocast_adapter_dtype=False)
+        if cfg.lora.quantize != "none":
+            # peft gives adapters on a quantized layer that layer's storage dtype (or fp32):
+            # QLoRA's adapters train in the training dtype, as LoRA's do
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(dtype)
     return model, keep, offloader
+
+
+def _device(r):
+    """Where the quantized layers go: this rank's GPU (DeepSpeed moves the rest there too)."""
+    import torch
+
+    if r.device.value == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

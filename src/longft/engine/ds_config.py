@@ -115,9 +115,6 @@ def build(cfg: Config, precision: str, hidden_size: int) -> dict:
         "steps_per_print": 10**9,  # longft logs itself, on rank 0
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
-                                 "weight_decay": o.weight_decay}},
         "zero_optimization": zero_section(cfg, hidden_size),
         "bf16": {"enabled": precision == "bf16",
                  # zero.optimizer_states bf16: master weights, their gradients and Adam m, v in bf16
@@ -127,6 +124,10 @@ def build(cfg: Config, precision: str, hidden_size: int) -> dict:
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
     }
+    if o.name == "adamw":  # else bitsandbytes' 8-bit AdamW, handed over by engine/optimizer.py
+        ds["optimizer"] = {"type": "AdamW",
+                           "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                      "weight_decay": o.weight_decay}}
     if cfg.hardware.sequence_parallel > 1:
         # read where no mpu is at hand (zero.Init under HfDeepSpeedConfig): the data-parallel world
         # is world / N; deepspeed.initialize gets DeepSpeed's Ulysses mpu itself

@@ -8,7 +8,8 @@ state dict), so no GPU ever holds the whole model. With LoRA, `output.export_lor
 - merged: a full model with the LoRA deltas merged into the base weights, W + scaling * B @ A
   (peft's merge_and_unload, done on the consolidated state dict on rank 0, in fp32, then cast back
   to the weights' dtype), which `AutoModelForCausalLM.from_pretrained` loads without peft; the
-  adapter it was merged from goes to export/adapter/.
+  adapter it was merged from goes to export/adapter/. With QLoRA (lora.quantize) the adapter is
+  merged into the de-quantized base weights, in the training dtype.
 export/ is written as export.tmp beside it and swapped in only when whole; it is a persistent DVC
 output, so a run that is refused (a typo in params.yaml) or fails keeps the previous model.
 """
@@ -97,6 +98,10 @@ def export(engine, cfg: Config, out_dir: Path, step: int) -> None:
     sd = {k: v.detach().cpu().contiguous() for k, v in sd.items()}
     if cfg.lora.rank and cfg.output.export_lora == "merged":
         engine.module.save_pretrained(tmp / "adapter", state_dict=sd, safe_serialization=True)
+        if cfg.lora.quantize != "none":  # QLoRA: merged into the de-quantized base weights
+            from longft.model.quantize import dequantized_state_dict
+            dtype = engine.module.get_input_embeddings().weight.dtype
+            sd = dequantized_state_dict(engine.module, sd, dtype)
         merged = merge_lora(sd, lora_layers(engine.module))
         engine.module.get_base_model().save_pretrained(tmp, state_dict=merged,
                                                        safe_serialization=True)
@@ -107,7 +112,7 @@ def export(engine, cfg: Config, out_dir: Path, step: int) -> None:
     load_tokenizer(cfg.model).save_pretrained(tmp)
     (tmp / "longft_export.json").write_text(json.dumps(
         {"model": cfg.model.name, "source": cfg.model.source, "steps": step,
-         "lora_rank": cfg.lora.rank, "kind": kind}, indent=2))
+         "lora_rank": cfg.lora.rank, "quantize": cfg.lora.quantize, "kind": kind}, indent=2))
     # The old export is set aside, not deleted, until the new one is in place: a kill at any
     # point leaves a whole model at out_dir or beside it (export/ persists across runs, dvc.yaml)
     old = out_dir.with_name(f".{out_dir.name}.old")

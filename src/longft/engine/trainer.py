@@ -41,6 +41,7 @@ from longft.engine.build import build
 from longft.engine.environment import environment
 from longft.engine.evaluate import Evaluator
 from longft.engine.export import export
+from longft.engine.optimizer import client_optimizer
 from longft.errors import TrainingError
 from longft.measure import live
 from longft.measure.progress import LayerProgress
@@ -223,6 +224,7 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
         sp = sequence_parallel.SequenceParallel.of(mpu)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
+                                      optimizer=client_optimizer(cfg),
                                       lr_scheduler=ds_config.lr_scheduler(cfg), mpu=mpu)
     fp = checkpoint.fingerprint(cfg)
     start, batches = _resume(engine, cfg, ckpt_dir, fp, loader, sampler, rank)

@@ -10,7 +10,7 @@ together as a `PlanError` before any model is built. What the CPU cannot take is
 
 from __future__ import annotations
 
-from longft.config import cpu_rules
+from longft.config import cpu_rules, qlora
 from longft.config.params import Config, ConfigError
 from longft.config.plan import Choice
 from longft.hardware import sequence_parallel
@@ -62,10 +62,13 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     put("tiled_mlp", resolve_tiled_mlp(cfg))
     put("checkpointing", resolve_checkpointing(cfg, device))
     put("host_grad_buffer", resolve_host_grad_buffer(cfg, precision))
+    put("quantize", resolve_quantize(cfg, precision))
+    problems.extend(check_optimizer(cfg))
     problems.extend(check_vram_limit(cfg, hw, device))
     if device == "cpu" and cfg.hardware.device == "auto":
         problems.extend(m + " (device auto found no CUDA GPU here)"
-                        for m in cpu_rules.offload_ratio(cfg.zero.offload_ratio))
+                        for m in cpu_rules.offload_ratio(cfg.zero.offload_ratio)
+                        + cpu_rules.optimizer(cfg.optim.name))
     if problems:
         raise PlanError(problems)
     return out
@@ -308,3 +311,30 @@ def why_not_shared_grad_buffer(stage: int, offload_optimizer: bool | str, grad_a
          "(train.global_batch_size > micro_batch_size x GPUs)", grad_accum > 1),
         ("precision is fp16 (DeepSpeed's overflow check reads every partition's host copy)",
          precision == "fp16")) if bad]
+
+
+def _bitsandbytes_missing(what: str) -> list[str]:
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return [f"{what} needs bitsandbytes, which is not installed here: pip install "
+                f"'longft[qlora]' (or pip install bitsandbytes)"]
+    return []
+
+
+def resolve_quantize(cfg: Config, precision: str) -> tuple[Choice, list[str]]:
+    """lora.quantize: what the frozen base weights are stored in, and on which ZeRO stage."""
+    q = cfg.lora.quantize
+    if not qlora.quantized(cfg):
+        return Choice("none", "base weights in the training dtype"), []
+    what = {"nf4": "4-bit NF4 with double quantization (QLoRA)", "int8": "8-bit (LLM.int8)"}[q]
+    return (Choice(q, f"set in params: base weights in {what}, computing in {precision}; "
+                      f"{qlora.STAGE_REASON}"),
+            _bitsandbytes_missing(f"lora.quantize: {q}"))
+
+
+def check_optimizer(cfg: Config) -> list[str]:
+    """optim.name: bitsandbytes' 8-bit AdamW needs bitsandbytes."""
+    if cfg.optim.name in qlora.EIGHT_BIT:
+        return _bitsandbytes_missing(f"optim.name: {cfg.optim.name}")
+    return []

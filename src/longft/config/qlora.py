@@ -1,0 +1,67 @@
+"""The rules of QLoRA (`lora.quantize`) and of bitsandbytes' 8-bit AdamW (`optim.name`), written once.
+
+QLoRA runs on ZeRO-2: the frozen 4/8-bit base weights stay whole on each GPU, and only the
+adapters (and their optimizer states) are partitioned. ZeRO-3 would partition the packed weights
+but not bitsandbytes' quantization state that travels beside them, so `with_stage` moves a QLoRA
+run that params put on stage 3 to stage 2, and the plan says why (hardware.policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from longft.config.params import Config
+
+QLORA_STAGE = 2
+STAGE_REASON = ("QLoRA runs on ZeRO-2: the frozen quantized base weights stay whole on each GPU "
+                "(ZeRO-3 would partition the packed weights but not bitsandbytes' quantization "
+                "state beside them); the adapters and their optimizer states are partitioned")
+EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
+
+
+def quantized(cfg: Config) -> bool:
+    return cfg.lora.rank > 0 and cfg.lora.quantize != "none"
+
+
+def with_stage(cfg: Config) -> Config:
+    """cfg with zero.stage 2 where QLoRA needs it (after `problems` found nothing)."""
+    if quantized(cfg) and cfg.zero.stage != QLORA_STAGE:
+        return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=QLORA_STAGE))
+    return cfg
+
+
+def problems(cfg: Config) -> list[str]:
+    """What QLoRA and the 8-bit optimizer cannot be combined with; each message names the fix."""
+    p: list[str] = []
+    q, z, o = cfg.lora.quantize, cfg.zero, cfg.optim
+    if q != "none" and cfg.lora.rank <= 0:
+        p.append(f"lora.quantize: {q} quantizes the frozen base weights under LoRA adapters "
+                 f"(QLoRA) and needs lora.rank > 0; set lora.rank (e.g. 16) or lora.quantize: none")
+    if q != "none" and cfg.lora.rank > 0:
+        why = f"lora.quantize {q} runs on ZeRO-2 (the quantized weights stay whole on each GPU)"
+        zero3_only = [("zero.offload_param", z.offload_param != "none", "none"),
+                      ("zero.offload_optimizer", z.offload_optimizer == "nvme", "cpu or none"),
+                      ("zero.offload_ratio", z.offload_ratio < 1, "1.0"),
+                      ("hardware.sequence_parallel", cfg.hardware.sequence_parallel > 1, "1")]
+        zero3_only += [(f"zero.{n}", getattr(z, n) is not None, "null")
+                       for n in ("prefetch_bucket_size", "param_persistence_threshold",
+                                 "max_live_parameters")]
+        for key, on, fix in zero3_only:
+            if on:
+                p.append(f"{key}: a ZeRO-3 feature, but {why}; set {key}: {fix}, or "
+                         f"lora.quantize: none")
+        if z.host_grad_buffer == "shared":
+            p.append(f"zero.host_grad_buffer: shared needs ZeRO-3, but {why}; set it to auto")
+    if o.name in EIGHT_BIT:
+        if z.offload_optimizer != "none":
+            p.append(f"optim.name: {o.name} keeps Adam's states in 8 bits on the GPU "
+                     f"(bitsandbytes), but zero.offload_optimizer {z.offload_optimizer} steps "
+                     f"DeepSpeed's CPU Adam on the host instead; set zero.offload_optimizer: none "
+                     f"(8-bit states on the GPU) or optim.name: adamw (fp32 states offloaded)")
+        if z.optimizer_states != "fp32":
+            p.append(f"zero.optimizer_states: {z.optimizer_states} applies to DeepSpeed's Adam; "
+                     f"optim.name {o.name} keeps its own 8-bit states: set "
+                     f"zero.optimizer_states: fp32")
+    return p

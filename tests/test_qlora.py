@@ -1,0 +1,233 @@
+"""QLoRA (lora.quantize) and bitsandbytes' 8-bit AdamW (optim.name): the rules, the quantized
+layers, and (slow tier) whole runs on CPU: QLoRA's loss curve beside LoRA's on the same rows, the
+frozen 4-bit weights unchanged, exact resume, and an export that peft and from_pretrained load."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from longft.config.params import Config, ConfigError, ModelConfig, from_dict, merge, to_dict
+from longft.model.quantize import dequantized_state_dict, quantize_linears
+
+bnb = pytest.importorskip("bitsandbytes")
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _tiny(dtype=torch.bfloat16, seed=0):
+    from transformers import AutoModelForCausalLM
+
+    from longft.model.loading import load_model_config
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(load_model_config(ModelConfig()), dtype=dtype)
+
+
+# ------------------------------------------------------------------ rules
+
+
+def test_qlora_runs_on_zero2_and_the_plan_says_why():
+    from longft.hardware.machine import Hardware
+    from longft.hardware.policy import resolve
+
+    cfg = from_dict({"lora": {"rank": 8, "quantize": "nf4"}})
+    assert cfg.zero.stage == 2  # params say 3 (the default): QLoRA moves to 2
+    assert from_dict({"lora": {"rank": 8}}).zero.stage == 3  # plain LoRA keeps it
+    cpu = Hardware(device="cpu", gpu_name=None, gpu_count=0, capability=None, gpu_mem_gib=None,
+                   host_mem_gib=24, cpu_count=2, flash_attn=False, liger=False)
+    choice = resolve(cfg, cpu, "llama")["quantize"]
+    assert choice.value == "nf4" and "ZeRO-2" in choice.reason
+
+
+@pytest.mark.parametrize("overlay, message", [
+    ({"lora": {"quantize": "nf4"}}, "lora.quantize: nf4 .* needs lora.rank > 0"),
+    ({"lora": {"rank": 8, "quantize": "nf4"}, "zero": {"offload_param": "cpu"}},
+     "zero.offload_param: a ZeRO-3 feature, but lora.quantize nf4 runs on ZeRO-2"),
+    ({"lora": {"rank": 8, "quantize": "int8"}, "zero": {"offload_ratio": 0.5}},
+     "zero.offload_ratio: a ZeRO-3 feature"),
+    ({"optim": {"name": "adamw_8bit"}}, "set zero.offload_optimizer: none"),
+    ({"optim": {"name": "adamw_8bit"}, "zero": {"offload_optimizer": "none",
+                                                 "optimizer_states": "bf16"}, "precision": "bf16"},
+     "zero.optimizer_states: bf16 applies to DeepSpeed's Adam"),
+    ({"optim": {"name": "paged_adamw_8bit"}, "zero": {"offload_optimizer": "none"},
+      "hardware": {"device": "cpu"}}, "needs a CUDA GPU; use adamw_8bit on CPU"),
+])
+def test_impossible_combinations_are_refused_with_the_fix(overlay, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(overlay)
+
+
+def test_8bit_adamw_replaces_deepspeeds_adam_in_the_config():
+    from longft.engine.ds_config import build
+    from longft.engine.optimizer import client_optimizer
+
+    cfg = from_dict({"optim": {"name": "adamw_8bit", "lr": 3e-4},
+                     "zero": {"offload_optimizer": "none"}})
+    assert "optimizer" not in build(cfg, "bf16", 64)  # DeepSpeed would build its own otherwise
+    p = torch.nn.Parameter(torch.randn(8192))
+    opt = client_optimizer(cfg)([p])
+    assert isinstance(opt, bnb.optim.AdamW8bit) and opt.defaults["lr"] == 3e-4
+    p.grad = torch.randn(8192)
+    opt.step()
+    assert opt.state[p]["state1"].dtype == torch.uint8  # m and v in 8 bits
+    assert client_optimizer(from_dict({})) is None
+    assert build(from_dict({}), "bf16", 64)["optimizer"]["type"] == "AdamW"
+
+
+# ------------------------------------------------------------------ the quantized layers
+
+
+@pytest.mark.parametrize("kind, cls, rel_err", [("nf4", "Linear4bit", 0.15),
+                                                 ("int8", "Linear8bitLt", 0.02)])
+def test_targeted_linears_are_quantized_frozen_and_dequantize_back(kind, cls, rel_err):
+    model = _tiny()
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    n = quantize_linears(model, TARGETS, kind, torch.bfloat16, "cpu")
+    assert n == 7 * model.config.num_hidden_layers
+    q = model.model.layers[0].self_attn.q_proj
+    assert type(q).__name__ == cls and not q.weight.requires_grad
+    assert type(model.lm_head) is torch.nn.Linear  # the head stays: Liger's fused loss reads it
+    sd = dequantized_state_dict(model, model.state_dict(), torch.bfloat16)
+    assert set(sd) == set(plain)  # loads into the plain architecture
+    key = "model.layers.1.mlp.down_proj.weight"
+    assert sd[key].dtype == torch.bfloat16
+    err = (sd[key].float() - plain[key].float()).norm() / plain[key].float().norm()
+    assert 0 < err < rel_err, err  # quantized (not a copy), and close
+    ids = torch.randint(1, 250, (1, 32))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_adapters_get_gradients_and_the_quantized_weights_do_not_change():
+    from peft import LoraConfig, get_peft_model
+
+    model = _tiny()
+    quantize_linears(model, TARGETS, "nf4", torch.bfloat16, "cpu")
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS)),
+                           autocast_adapter_dtype=False)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    packed = [n for n, p in model.named_parameters() if isinstance(p, bnb.nn.Params4bit)]
+    assert len(packed) == 7 * 2
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(1, 250, (2, 32))
+    for _ in range(3):
+        opt.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        assert lora and all(p.grad is not None for p in lora)
+        assert any(p.grad.abs().sum() > 0 for p in lora)
+        opt.step()
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, n
+            assert torch.equal(p.detach(), frozen[n]), f"{n} changed"
+
+
+# ------------------------------------------------------------------ whole runs (slow tier)
+
+
+def _base(tmp_path, byte_tokenizer):
+    base_dir = tmp_path / "base"
+    if not base_dir.is_dir():
+        _tiny(torch.float32).save_pretrained(base_dir)
+        byte_tokenizer.save_pretrained(base_dir)
+    return base_dir
+
+
+def _run(work, base_dir, overlay, stages=("prepare", "patch", "train")):
+    from longft.run.pipeline import run_all
+
+    work.mkdir(parents=True, exist_ok=True)
+    params = merge(to_dict(Config()), merge({
+        "model": {"source": "pretrained", "name": str(base_dir)},
+        "data": {"num_samples": 6, "max_seq_length": 1024, "eval_samples": 0},
+        "train": {"iterations": 6, "warmup_iterations": 1},
+        "optim": {"lr": 1e-2},
+        "lora": {"rank": 4, "alpha": 8},
+        "output": {"save_checkpoint": False, "export": False}}, overlay))
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    run_all(work / "params.yaml", work, stages)
+    rows = [json.loads(x) for x in (work / "run" / "rank0.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["type"] == "iter"}, rows
+
+
+QLORA_VS_LORA_TOL = 0.05
+"""Largest |QLoRA loss - LoRA loss| per step on the tiny model (loss ~6): NF4's rounding of the
+base weights moves the loss by about 1 % of its value; a broken adapter or a dequantization bug
+moves it by far more."""
+
+
+@pytest.mark.slow
+def test_qlora_follows_lora_and_exports_an_adapter_and_a_merged_model(tmp_path, byte_tokenizer):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir = _base(tmp_path, byte_tokenizer)
+    lora, _ = _run(tmp_path / "lora", base_dir, {})
+    qlora, rows = _run(tmp_path / "qlora", base_dir, {
+        "lora": {"quantize": "nf4"}, "output": {"export": True, "export_lora": "merged"}})
+    assert sorted(qlora) == sorted(lora) == [1, 2, 3, 4, 5, 6]
+    assert qlora[6] < qlora[1] - 0.1  # it learns
+    for s in lora:
+        assert abs(qlora[s] - lora[s]) <= QLORA_VS_LORA_TOL, (s, qlora[s], lora[s])
+    assert qlora != lora  # the base really was quantized
+    env = next(r for r in rows if r["type"] == "env")
+    assert env["trainable_dtypes"] == ["bfloat16"]  # adapters in the training dtype
+
+    export = tmp_path / "qlora" / "export"
+    info = json.loads((export / "longft_export.json").read_text())
+    assert info["kind"] == "lora_merged" and info["quantize"] == "nf4"
+    merged, missing = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32,
+                                                           output_loading_info=True)
+    assert not any(missing.values()), missing  # plain weights: no bitsandbytes needed
+    assert merged.config.to_dict().get("quantization_config") is None
+    # the adapter loads with peft on the base it was trained on (here: de-quantized by
+    # bitsandbytes, exactly as training saw it) and computes what the merged model computes
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
+    quantize_linears(base, TARGETS, "nf4", torch.bfloat16, "cpu")
+    deq = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
+    deq.load_state_dict(dequantized_state_dict(base, base.state_dict(), torch.bfloat16))
+    tuned = PeftModel.from_pretrained(deq.float(), export / "adapter").eval()
+    ids = torch.randint(1, 250, (1, 48))
+    with torch.no_grad():
+        want = tuned(ids).logits
+        torch.testing.assert_close(merged.eval()(ids).logits, want, rtol=0, atol=2e-2)
+        assert not torch.allclose(deq.float()(ids).logits, want, atol=1e-2)  # training moved it
+
+
+@pytest.mark.slow
+def test_qlora_resume_is_exact(tmp_path, byte_tokenizer):
+    from longft.run.pipeline import run_stage, stage_commands
+
+    base_dir = _base(tmp_path, byte_tokenizer)
+    work = tmp_path / "run"
+    ref, _ = _run(work, base_dir, {"lora": {"quantize": "nf4"},
+                                   "output": {"checkpoint_every": 2, "keep_last": 3}})
+    steps = sorted(work.glob("checkpoints/**/step-*"))
+    assert [p.name for p in steps] == ["step-2", "step-4", "step-6"]
+    for p in steps[1:]:  # as if the run had died after step 3: resume from step-2
+        shutil.rmtree(p)
+    out = run_stage("train", stage_commands(work / "params.yaml", work)["train"])
+    assert "step-2" in out
+    rows = [json.loads(x) for x in (work / "run" / "rank0.jsonl").read_text().splitlines()]
+    again = {r["step"]: r["loss"] for r in rows if r["type"] == "iter"}
+    assert sorted(again) == [3, 4, 5, 6]
+    for s in again:
+        assert again[s] == ref[s], (s, again[s], ref[s])
+
+
+@pytest.mark.slow
+def test_8bit_adamw_trains_without_offload(tmp_path, byte_tokenizer):
+    base_dir = _base(tmp_path, byte_tokenizer)
+    overlay = {"lora": {"rank": 0}, "zero": {"offload_optimizer": "none"},
+               "train": {"iterations": 4}, "optim": {"lr": 3e-3}}
+    full, _ = _run(tmp_path / "adamw", base_dir, overlay)
+    eight, rows = _run(tmp_path / "8bit", base_dir, merge(overlay, {"optim": {"name": "adamw_8bit"}}))
+    assert eight[1] == full[1]  # the same first forward
+    assert eight[4] < eight[1]  # it learns
+    assert eight != full        # with other states than Adam's fp32 ones
+    for s in full:
+        assert abs(eight[s] - full[s]) < 0.1, (s, eight[s], full[s])
