@@ -8,7 +8,7 @@ study's rows beside the rows that run its workload.
 BENCHMARKS.md holds the output between the markers in MARKERS; tests/test_results_table.py fails
 when the two differ, so the table cannot go stale. Which rows are current is a choice written
 down here (CURRENT): the latest measured row of each workload. Superseded rows and their history
-are in docs/results-log.md; a new measurement replaces its row's JSON and the table follows.
+are in bench/LOG.md; a new measurement replaces its row's JSON and the table follows.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ NOTES = (
     "reference study's own script on the same H200 (rows A, B, C; its \"MB\" are MiB), beside the "
     "rows that run its workload (random token ids, one sequence a row); packed and LoRA rows do "
     "other work and have none. The equal-memory comparisons W1 and W2 of 2026-12-02 have no raw "
-    "result in bench/results yet: docs/results-log.md has them.")
+    "result in bench/results yet: bench/LOG.md has them.")
 
 
 class ResultsTableError(Exception):
