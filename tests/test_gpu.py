@@ -337,7 +337,7 @@ def test_offload_ratio_trains_like_full_offload(tmp_path):
 
 def test_bf16_optimizer_states_depart_little_from_fp32(tmp_path):
     """zero.optimizer_states bf16 (opt-in): the loss curve stays close to fp32 states' over a short
-    run; the departure is printed (BENCHMARKS.md quotes it) and bounded."""
+    run; the departure is printed (bench/LOG.md quotes it) and bounded."""
     fp32, _ = _losses_of({"precision": "bf16"}, tmp_path / "fp32")
     bf16, env = _losses_of({"precision": "bf16", "zero": {"optimizer_states": "bf16"}},
                            tmp_path / "bf16")

@@ -1,6 +1,6 @@
 """Imports point one way: each sub-package of longft imports only packages above it in LAYERS
 (lazy, function-level imports included), so there is no import cycle between concerns and a
-newcomer can read the library bottom-up (README "Layout")."""
+newcomer can read the library bottom-up (docs/contributing.md, "Layout")."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def modules():
 def test_every_module_belongs_to_a_layer():
     for p in modules():
         top = p.relative_to(SRC).parts[0].removesuffix(".py")
-        assert top in LAYERS, f"{p}: add its package to LAYERS (README Layout too)"
+        assert top in LAYERS, f"{p}: add its package to LAYERS (docs/contributing.md Layout too)"
 
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))

@@ -1,5 +1,5 @@
 """The planned rows of issues 8 (4 x H200) and 9 (8 x H200, incl. the 8 x V100 emulation), which
-no session has run yet (BENCHMARKS.md, "Planned rows"): each overlay in bench/configs merges onto
+no session has run yet (bench/LOG.md, "Planned rows"): each overlay in bench/configs merges onto
 the shipped params (the dataclass defaults) into valid params, and the estimator predicts that it
 fits its machine with margin.
 

@@ -46,8 +46,8 @@ pieces the prompt trains it on (held-out accuracy on them 45-49 % -> 80-82 %; tw
 attending ~60 % to the token after the earlier copy), but not on the numbers a citation must
 match (0-1 % on the marker after the value's earlier copy). A random-init model is the wrong
 stand-in: tests/test_retrieval_pretrained.py pretrains the model on generic copy rows first, and
-the finetuned model then cites held-out samples far above chance (issue 19 item 3). README, "Does
-the finetune work?", has the tables.
+the finetuned model then cites held-out samples far above chance (issue 19 item 3). The tables are in
+bench/LOG.md, "Retrieval experiments on CPU".
 Either part fails if training were broken (lr 0, labels lost, the eval reading the wrong tokens).
 """
 

@@ -17,9 +17,9 @@ tokenizes the task with that directory's tokenizer. The held-out samples (never 
 scored by longft's Evaluator before and after a short finetune on the training samples (loss on
 the answers only): the citation must beat chance (1 / documents) and the best fixed guess by a
 wide margin, the finetune must raise it, and the eval loss must fall. Measured numbers (seeds,
-time, the random-init control) are in README, "Does the finetune work?".
+time, the random-init control) are in bench/LOG.md, "Retrieval experiments on CPU".
 The assertions fail if training were broken: a broken pretraining leaves the copy at ~0 (asserted)
-and the finetuned citation at chance (README's random-init control: 29-38 %); a broken finetune
+and the finetuned citation at chance (the random-init control in bench/LOG.md: 29-38 %); a broken finetune
 (lr 0, labels lost) moves neither the eval loss nor the citation.
 """
 
@@ -92,7 +92,7 @@ def copy_accuracy(model, vocab: int, bos: int, length: int = SEQ) -> float:
 def tiny_llama(tok):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    # tied embeddings: with untied ones no copy formed in 800 steps (README)
+    # tied embeddings: with untied ones no copy formed in 800 steps (bench/LOG.md)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=176,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=4096, rope_theta=10_000.0,

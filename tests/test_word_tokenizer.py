@@ -1,4 +1,4 @@
-"""tests/word_tokenizer.py (the word-level tokenizer of README's held-out retrieval experiments):
+"""tests/word_tokenizer.py (the word-level tokenizer of the held-out retrieval experiments in bench/LOG.md):
 citation markers are one token, numbers come in right-aligned two-digit chunks, held-out samples
 (other seeds than the one its own check uses) have no unknown token, and the chat template marks
 the answer as the trained tokens in longft's tokenization."""

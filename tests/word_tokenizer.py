@@ -1,5 +1,5 @@
 """A word-level tokenizer for the synthetic task (experiments only): short rows, one-token
-citations. It made the word-level rows of README's "Does the finetune work?" tables.
+citations. It made the word-level rows of the tables in bench/LOG.md, "Retrieval experiments on CPU".
 
 With byte or BPE tokens a value such as "FA-461" is several tokens whose pieces occur all over
 the context, so citing the document after it needs a multi-token match. Here the pieces that
@@ -7,7 +7,7 @@ matter are single tokens:
 
 - "[doc 3]" (and the prompt's "[doc N]") is one token, so the cited number N is that token;
 - a number is cut into right-aligned chunks of two digits ("4821" -> "48" "21", "461" -> "4"
-  "61"; the README's three-digit rows used chunks of three), so the citation is a one-token
+  "61"; the log's three-digit rows used chunks of three), so the citation is a one-token
   induction: find the earlier copy of the token before the marker and copy the token after it;
 - the generator's fixed English words (its templates, kinds, places, fillers, attribute names)
   are whole words; anything else (the made-up entity names, the badges' letters) is cut into

@@ -93,7 +93,7 @@ class KernelsConfig:
     varlen_attn (CUDA, compute capability >= 8.0, torch >= 2.10); per_document = SDPA once per
     document; flash_attn_4 = flash-attn-4's varlen kernel (pip install flash-attn-4; Hopper and
     Blackwell; not with checkpointing.keep_attention); mask = transformers' dense [seq x seq]
-    block mask (slow; for comparison). auto picks per GPU generation by measurement (README);
+    block mask (slow; for comparison). auto picks per GPU generation by measurement (docs/memory.md);
     flash_attention_2 reads the document boundaries itself. Rows of one document always take
     the single-sequence kernel."""
     sdpa_backend: Literal["auto", "default", "flash", "cudnn", "efficient", "math"] = "auto"

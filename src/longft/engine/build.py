@@ -48,8 +48,8 @@ def build(cfg: Config, plan: Plan, ds: dict):
         from peft import LoraConfig, get_peft_model
         # Adapters in the training dtype: peft's default upcasts them to fp32, and DeepSpeed never
         # casts parameters of a zero.Init model, so each LoRA module copied its input to fp32 for
-        # an fp32 matmul (seen on CPU; on the H200 the unfixed LoRA rows used 5 GiB more than the
-        # estimate, about those copies, and ran slower than full finetuning: BENCHMARKS.md).
+        # an fp32 matmul (seen on CPU, and on the H200 as memory above the estimate and a slowdown;
+        # bench/LOG.md, question 3).
         # DeepSpeed's optimizer keeps the fp32 master copy of the adapters either way.
         model = get_peft_model(model, LoraConfig(
             r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,

@@ -22,16 +22,16 @@ empties the pinned cache) and training (after the first optimizer step)."""
 
 # ---------------------------------------------------------------- calibration (docs/estimator.md)
 CUDA_CONTEXT_BYTES = int(1.9 * GIB)
-"""NVML used minus torch reserved on the H200 rows: 1.89 and 1.93 GiB (CUDA context, cuBLAS/cuDNN
-handles, NCCL, loaded kernels, driver reservations). Not part of torch's allocator."""
+"""NVML used minus torch reserved: the CUDA context, cuBLAS/cuDNN handles, NCCL, loaded kernels and
+driver reservations, outside torch's allocator. Calibrated on the H200 rows (docs/estimator.md,
+"Reserved and NVML")."""
 RESERVED_FACTOR = 1.2
-"""torch max reserved / max allocated on the H200 rows with the classic allocator (commits up to
-0d5e951): 1.17 and 1.24 (caching, fragmentation)."""
+"""torch max reserved / max allocated with the classic allocator (caching, fragmentation), as
+measured on the H200 rows (docs/estimator.md, "Reserved and NVML")."""
 RESERVED_FACTOR_EXPANDABLE = 1.06
-"""The same with hardware.expandable_segments (the default since ff6f07f): 1.008, 1.058 and 1.128 on
-the three 1B rows at ff6f07f. Not a bound: with nothing capping it, DeepSpeed's side-stream pools
-can cache far more (2.45 on the uncapped 8B 128K row); under hardware.vram_limit_gib the allocator
-flushes them instead, and the run fits (docs/estimator.md)."""
+"""The same with hardware.expandable_segments (the default). Not a bound: with nothing capping it,
+DeepSpeed's side-stream pools can cache far more; under hardware.vram_limit_gib the allocator
+flushes them instead, and the run fits (docs/estimator.md; the rows: bench/LOG.md)."""
 
 
 def reserved_factor(expandable_segments: bool) -> float:
@@ -41,29 +41,26 @@ RANK_BASE_BYTES = int(2.02 * GIB)
 CUDA/cuBLAS/cuDNN/NCCL libraries, the CUDA context's host side, DeepSpeed, transformers."""
 LAUNCHER_BASE_BYTES = int(1.28 * GIB)
 """Steady host RSS of the launcher side of the tree (stage process, deepspeed runner and launch).
-Solved from the H200 rows whose RSS peak came while training (bench/results at bb0129c and
-6d93e57): six 1-rank rows (a', b, c, c with 16/9, d, 8B with checkpoints on the GPU) leave
-3.22-3.35 GiB beside their predicted pinned and CPU Adam items (3.30 taken), the 2-rank row (e, 8B)
-5.32 GiB: a rank 2.02 GiB, the launcher side 1.28 GiB. The 2-rank figure is one row, where 1 % of
-its 184 GiB of items is 1.8 GiB: the split is the weakest part of this calibration."""
+Both solved from the H200 rows whose RSS peak came while training, 1-rank and 2-rank, as what they
+leave beside their pinned and CPU Adam items; the per-rank split rests on one 2-rank row
+(docs/estimator.md, "Host items")."""
 SETUP_RANK_BYTES = int(1.57 * GIB)
 SETUP_LAUNCHER_BYTES = int(3.37 * GIB)
 """The start-up peak of the tree (engine setup, before step 1), which the rows with little in host
-memory show as their RSS peak: 4.94 GiB with one rank (rows a, a-fp16) and 6.51 GiB with two
-(row e, 1B), solved as launcher side 3.37 GiB + 1.57 GiB a rank. It is transient: row a' adds 4 GiB
-of pinned checkpoints and peaks at 3.30 + 4.0 = 7.2 GiB, not 4.94 + 4.0. The host peak is the larger
-of the two moments (estimate_host.HOST_PHASES)."""
+memory show as their RSS peak, solved from a 1-rank and a 2-rank row as a launcher side plus a
+share a rank. It is transient: it is gone by the time pinned buffers fill, so the host peak is the
+larger of the two moments (estimate_host.HOST_PHASES; docs/estimator.md, "Host items")."""
 FLASH_ATTN_4_RANK_BYTES = int(0.14 * GIB)
 """Host RSS a rank adds with kernels.packed_attention flash_attn_4: the CUTLASS DSL's MLIR
-libraries (~240 MB of shared objects) and the JIT compile of its kernels in the first step. On the
-H200 at 86755d2 the four Llama-3.2-1B flash_attn_4 rows peaked at 5.556-5.559 GiB against
-5.415-5.418 for the same rows with varlen / per_document."""
+libraries (~240 MB of shared objects) and the JIT compile of its kernels in the first step: the
+difference between the same H200 rows on flash_attn_4 and on varlen / per_document
+(docs/estimator.md, "Host items")."""
 CPU_RANK_BASE_BYTES = int(0.645 * GIB)
 CPU_LAUNCHER_BASE_BYTES = int(0.39 * GIB)
-"""The same two on a CPU-only run (no CUDA libraries): with the tiny model's tensors (0.04 GiB)
-they add up to the 1.07-1.08 GiB that the repository's CPU run has measured at every commit since
-c9ab3e7 (metrics/train.json); the split is assumed. A run that compiles DeepSpeed's CPU Adam first
-(a fresh machine) peaks at start-up with the compiler's processes instead: 5.0 GiB at 657d855."""
+"""The same two on a CPU-only run (no CUDA libraries): with the tiny model's tensors they add up to
+what the repository's CPU run measures (metrics/train.json); the split is assumed. A run that
+compiles DeepSpeed's CPU Adam first (a fresh machine) peaks at start-up with the compiler's
+processes instead, which the estimate does not model (docs/estimator.md, "Host items")."""
 DS_SUB_GROUP_SIZE = 10**9
 """DeepSpeed's default zero_optimization.sub_group_size (zero.sub_group_size's default): the
 optimizer step and its fp32 gradient buffers work on groups of about this many parameter elements."""

@@ -1,5 +1,5 @@
 """How attention runs over rows that pack several documents (kernels.packed_attention), by GPU
-generation and by what was measured (BENCHMARKS.md, "Packed rows"); the kernels themselves are in
+generation and by what was measured (BENCHMARKS.md; bench/LOG.md, "Packed rows"); the kernels are in
 model/packed_attention.py. hardware/policy.py calls it in its knob order."""
 
 from __future__ import annotations
@@ -17,14 +17,9 @@ def packed_rows(cfg: Config) -> bool:
 PER_DOCUMENT_FROM = 32768
 """On Hopper without flash-attn-4 (or with checkpointing.keep_attention), packed rows of at least
 this many tokens run cuDNN SDPA per document (on cuDNN's ragged path, model/packed_attention.py);
-shorter ones run torch's varlen_attn. Measured end to end on the H200 with Llama-3.2-1B
-(BENCHMARKS.md, "Packed rows"): at 16K, micro-batch 4, varlen 39,669 tok/s against 38,114 per
-document (b7b270f); at 32K, micro-batch 2, per document 34,598 against 33,008; at 64K 25,065
-against 21,789; at 128K 14,575 (86755d2; varlen 11,695 at 31adfae). Per kernel call with new
-document lengths every call (scripts/packed_attention_probe.py), cuDNN per document is level with
-varlen at 16K and 20-31 % faster from 32K. With flash-attn-4 installed, auto takes its kernel at
-every length instead: 21-26 % faster than the best of these end to end (49,447 / 43,246 / 31,473 /
-18,311 tok/s at 16K / 32K / 64K / 128K, 86755d2)."""
+shorter ones run torch's varlen_attn. The boundary is where per document overtook varlen end to
+end on the H200; with flash-attn-4 installed, auto takes its kernel at every length instead. The
+measurements: BENCHMARKS.md and bench/LOG.md ("Packed rows of real-shaped documents")."""
 
 
 def flash_attn_4_auto(cfg: Config, hw: Hardware, precision: str) -> tuple[bool, str | None]:

@@ -7,6 +7,7 @@ throughput and peak memory against context length and against GPU count.
     longft report --names                            # plus a Run column (experiment name)
     longft report --exp-json exp.json                # a saved `dvc exp show --json`
     longft report --from-json bench/results          # scripts/bench.py results (no DVC there)
+    longft report --benchmarks bench/results         # BENCHMARKS.md's current results table
     longft report --from-json bench/results --grid bench/grids/q1.yaml --plots plots
                                                      # one grid's findings (metrics/grid_report.py)
 
@@ -341,6 +342,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="read bench result files DIR/*.json instead of DVC experiments")
     src.add_argument("--exp-json", metavar="FILE", type=Path,
                      help="read a saved `dvc exp show --json` output instead of running it")
+    src.add_argument("--benchmarks", metavar="DIR", type=Path,
+                     help="BENCHMARKS.md's current results table from the bench results in DIR"
+                          " (metrics/results_table.py)")
     p.add_argument("-A", "--all-commits", action="store_true",
                    help="every commit and its experiments (dvc exp show -A)")
     p.add_argument("--names", action="store_true", help="add a Run column (experiment name)")
@@ -353,6 +357,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "benchmarks", None):
+        from longft.metrics import results_table
+        return results_table.run(args)
     if getattr(args, "grid", None):
         from longft.metrics import grid_report
         return grid_report.run(args)

@@ -3,7 +3,7 @@
 A packed row holds several documents; their position ids restart at 0 where each document starts.
 Left to itself, transformers turns restarting position ids into a dense block-diagonal
 [seq x seq] mask (16 GiB at 128K), and SDPA given an explicit mask leaves its fast causal kernel:
-on the H200 a 16K packed row trained 2.3x slower than an unpacked one. Instead, longft registers an
+on the H200 packed rows trained far slower than unpacked ones (bench/LOG.md). Instead, longft registers an
 attention function of its own with transformers' attention interface (`NAME`). No mask function
 is registered for it, so transformers builds no mask at all, and the function runs each document
 as its own causal sequence from the document boundaries:

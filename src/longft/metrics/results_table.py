@@ -1,0 +1,195 @@
+"""`longft report --benchmarks bench/results`: the one current results table that opens
+BENCHMARKS.md, generated from the bench result files (scripts/bench.py's JSON), with the reference
+study's rows beside the rows that run its workload.
+
+    longft report --benchmarks bench/results                 # print the markdown table
+    longft report --benchmarks bench/results --out table.md  # or write it
+
+BENCHMARKS.md holds the output between the markers in MARKERS; tests/test_results_table.py fails
+when the two differ, so the table cannot go stale. Which rows are current is a choice written
+down here (CURRENT): the latest measured row of each workload. Superseded rows and their history
+are in bench/LOG.md; a new measurement replaces its row's JSON and the table follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from longft.atomic import write_text
+
+MARKERS = ("<!-- results-table -->", "<!-- /results-table -->")
+"""BENCHMARKS.md's generated block lies between these two lines."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One row of the reference study, measured with its own script on an H200 (random-init
+    weights, SDPA, all-zero token ids; /work/shared/device/NOTES.md). Its "MB" are MiB."""
+    name: str
+    tokens_per_s: float
+    vram_gib: float
+    host_gib: float
+    note: str
+
+
+REFERENCES = {
+    "A": Reference("A", 35_656, 28.64, 3.9, "median step"),
+    "B": Reference("B", 37_377, 49.73, 31.6, "median step"),
+    "C": Reference("C", 2_750, 52.9, 174.0, "printed as 54.2 GB, in MiB"),
+}
+
+
+@dataclass(frozen=True)
+class Current:
+    """One row of the table: a workload and the bench result (bench/results/<stem>.json) that is
+    its latest measurement; `reference` names the reference row running the same workload."""
+    workload: str
+    stem: str
+    reference: Optional[str] = None
+
+
+CURRENT = (
+    Current("reference A's workload at A's memory", "1b-16k-gpu-mb4", "A"),
+    Current("reference A's workload, every attention output kept", "h200-1b-16k-gpu", "A"),
+    Current("reference B's workload (micro-batch 20)", "h200-1b-16k-offload", "B"),
+    Current("packed documents, flash-attn-4", "h200-1b-16k-packed-flash_attn_4"),
+    Current("packed documents, flash-attn-4", "h200-1b-128k-packed-flash_attn_4"),
+    Current("LoRA rank 8", "q3-1b-16k-lora8"),
+    Current("reference C's workload in 40 GB of VRAM, 174 GiB of host RAM", "h200-8b-128k-shared",
+            "C"),
+    Current("reference C's workload on 128 GiB of host RAM", "h200-8b-128k-ratio", "C"),
+    Current("the same, packed documents", "h200-8b-128k-ratio-packed"),
+    Current("LoRA rank 8, no offload", "q3-8b-128k-lora8"),
+    Current("2 GPUs", "h200x2-1b-16k-gpu"),
+    Current("2 GPUs, one sequence per GPU", "h200x2-8b-128k-shared"),
+)
+
+COLUMNS = ("Workload", "Model, context", "longft setup", "tok/s", "MFU", "VRAM alloc (GiB)",
+           "Host RSS (GiB)", "Reference: tok/s, VRAM, host", "vs reference", "Raw")
+NOTES = (
+    "tok/s: non-padding tokens per second over all GPUs and the timed steps. MFU: model "
+    "FLOPs (attention per document on packed rows) over the H200's dense bf16 peak. VRAM alloc: "
+    "torch max allocated on the busiest GPU. Host RSS: the whole process tree. Reference: the "
+    "reference study's own script on the same H200 (rows A, B, C; its \"MB\" are MiB), beside the "
+    "rows that run its workload (random token ids, one sequence a row); packed and LoRA rows do "
+    "other work and have none. The equal-memory comparisons W1 and W2 of 2026-12-02 have no raw "
+    "result in bench/results yet: bench/LOG.md has them.")
+
+
+class ResultsTableError(Exception):
+    """A listed result file is missing or not a complete bench result."""
+
+
+def _read(folder: Path, stem: str) -> dict:
+    path = Path(folder) / f"{stem}.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ResultsTableError(f"{path}: not readable ({e})") from None
+    train = doc.get("train") if isinstance(doc, dict) else None
+    if not isinstance(train, dict) or train.get("status") != "complete":
+        raise ResultsTableError(f"{path}: not a complete bench result")
+    return doc
+
+
+def _model(params: dict) -> str:
+    name = params["model"]["name"]
+    short = {"llama3.2-1b": "Llama-3.2-1B", "llama3.1-8b": "Llama-3.1-8B"}.get(name, name)
+    return f"{short}, {params['data']['max_seq_length']:,}"
+
+
+def _setup(doc: dict) -> str:
+    """The placement in a few words, read from the run's own params."""
+    p = doc["params"]
+    z, hw, ck, tr = p["zero"], p["hardware"], p["checkpointing"], p["train"]
+    gpus = hw["num_gpus"] * hw["num_nodes"]
+    off = [k for k, v in (("optimizer", z["offload_optimizer"]), ("params", z["offload_param"]))
+           if v != "none"]
+    where = "all on the GPU" if not off else " + ".join(off) + " on the CPU"
+    ratio = z.get("offload_ratio")
+    if off and ratio not in (None, 1, 1.0):
+        where += f" (offload_ratio {ratio})"
+    parts = [f"{gpus}x {_gpu(doc)}", f"ZeRO-{z['stage']}, {where}",
+             f"micro-batch {tr['micro_batch_size']}"]
+    if p.get("lora", {}).get("rank"):
+        parts.append(f"LoRA r{p['lora']['rank']}")
+    mode = ck.get("mode")
+    if mode == "cpu_offload":
+        parts.append(f"layer checkpoints on the CPU ({ck.get('gpu_layers')} on the GPU)")
+    if ck.get("keep_attention"):
+        parts.append(f"keep_attention {ck['keep_attention']}")
+    if p["data"].get("pack"):
+        parts.append(f"packed ({_packed_kernel(doc)})")
+    return ", ".join(parts)
+
+
+def _gpu(doc: dict) -> str:
+    name = (doc.get("env") or {}).get("gpu_name") or "GPU"
+    return name.removeprefix("NVIDIA ")
+
+
+def _packed_kernel(doc: dict) -> str:
+    """The packed-attention kernel the run used: the resolved one in its plan, else its param."""
+    resolved = ((doc.get("plan") or {}).get("resolved") or {}).get("packed_attention")
+    got = resolved.get("value") if isinstance(resolved, dict) else resolved
+    return str(got or doc["params"]["kernels"].get("packed_attention"))
+
+
+def _num(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def row_cells(folder: Path, cur: Current) -> tuple[str, ...]:
+    doc = _read(folder, cur.stem)
+    t = doc["train"]
+    tps = _num(t.get("tokens_per_s"))
+    mfu = _num(t.get("mfu"))
+    ref = REFERENCES[cur.reference] if cur.reference else None
+    ref_cell = "" if ref is None else (f"{ref.name}: {ref.tokens_per_s:,.0f}, {ref.vram_gib:.2f}, "
+                                       f"{ref.host_gib:.1f}")
+    vs = "" if ref is None or tps is None else f"{tps / ref.tokens_per_s:.2f}x"
+    return (cur.workload, _model(doc["params"]), _setup(doc), _fmt(tps, ",.0f"),
+            "n/a" if mfu is None else f"{mfu * 100:.1f} %",
+            _fmt(_num((t.get("peak_vram") or {}).get("max_allocated_gib")), ".2f"),
+            _fmt(_num((t.get("peak_dram") or {}).get("rss_tree_gib")), ".1f"),
+            ref_cell, vs, f"[{cur.stem}](bench/results/{cur.stem}.json)")
+
+
+def render(folder: Path) -> str:
+    """The markdown block (markers included) for the results in `folder`."""
+    lines = [MARKERS[0], "| " + " | ".join(COLUMNS) + " |",
+             "|---|---|---|" + "---:|" * 4 + "---|---:|---|"]
+    lines += ["| " + " | ".join(row_cells(folder, cur)) + " |" for cur in CURRENT]
+    lines += ["", NOTES, MARKERS[1]]
+    return "\n".join(lines) + "\n"
+
+
+def block_in(text: str) -> Optional[str]:
+    """The generated block of a document (markers included), or None without one."""
+    start, end = text.find(MARKERS[0]), text.find(MARKERS[1])
+    if start < 0 or end < start:
+        return None
+    return text[start:end + len(MARKERS[1])] + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = render(args.benchmarks)
+    except ResultsTableError as e:
+        print(f"longft report: {e}", file=sys.stderr)
+        return 1
+    if getattr(args, "out", None):
+        write_text(args.out, text)
+        print(f"longft report: results table -> {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,50 @@
+"""BENCHMARKS.md opens with the table that `longft report --benchmarks bench/results` generates now
+(metrics/results_table.py), so the table cannot go stale."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from longft.metrics import results_table
+from longft.metrics.report import add_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_benchmarks_md_holds_the_table_the_command_generates_now():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    block = results_table.block_in(text)
+    assert block is not None, f"BENCHMARKS.md has no {results_table.MARKERS} block"
+    want = results_table.render(ROOT / "bench" / "results")
+    assert block == want, ("BENCHMARKS.md's results table is stale: run `longft report --benchmarks "
+                           "bench/results` and paste its output over the block")
+
+
+def test_the_table_comes_first_in_benchmarks_md():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    first_section = text.find("\n## ")
+    assert 0 <= text.find(results_table.MARKERS[0]) < first_section
+
+
+def test_every_listed_row_is_a_complete_result_and_references_exist():
+    for cur in results_table.CURRENT:
+        assert (ROOT / "bench" / "results" / f"{cur.stem}.json").is_file(), cur.stem
+        assert cur.reference is None or cur.reference in results_table.REFERENCES
+
+
+def test_report_benchmarks_flag_prints_the_block(capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    from longft.metrics import report
+    args = p.parse_args(["--benchmarks", str(ROOT / "bench" / "results")])
+    assert report.run(args) == 0
+    assert capsys.readouterr().out == results_table.render(ROOT / "bench" / "results")
+
+
+def test_a_missing_result_is_an_error_not_a_blank_row(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    from longft.metrics import report
+    assert report.run(p.parse_args(["--benchmarks", str(tmp_path)])) == 1
+    assert "not readable" in capsys.readouterr().err
