@@ -29,7 +29,10 @@ def build(cfg: Config, plan: Plan, ds: dict):
         # deepspeed.zero.Init: each rank only ever holds its shard.
         from transformers.integrations import HfDeepSpeedConfig
         keep = HfDeepSpeedConfig(ds)
-    model = build_model(cfg.model, r.attention.value, dtype)
+    if cfg.lora.quantize != "none" and cfg.model.source == "random":
+        model = _random_init_for_quantizing(cfg, plan, r, dtype)
+    else:
+        model = build_model(cfg.model, r.attention.value, dtype)
     record = patch.apply(model, r.liger.value, r.checkpointing.value, r.sdpa_backend.value,
                          r.tiled_mlp.value, cfg.kernels.tiled_mlp_tokens,
                          cfg.checkpointing.keep_attention, r.packed_attention.value)
@@ -44,6 +47,8 @@ def build(cfg: Config, plan: Plan, ds: dict):
                                               cfg.checkpointing.prefetch)
     if cfg.lora.quantize != "none":
         quantize_linears(model, cfg.lora.target_modules, cfg.lora.quantize, dtype, _device(r))
+        if r.device.value == "cuda":  # a random init on the GPU: its full-precision peak is gone
+            torch.cuda.reset_peak_memory_stats()
     if cfg.lora.rank > 0:
         from peft import LoraConfig, get_peft_model
         # Adapters in the training dtype: peft's default upcasts them to fp32, and DeepSpeed never
@@ -62,6 +67,31 @@ def build(cfg: Config, plan: Plan, ds: dict):
                 if p.requires_grad:
                     p.data = p.data.to(dtype)
     return model, keep, offloader
+
+
+def _random_init_for_quantizing(cfg: Config, plan: Plan, r, dtype):
+    """Random init of a model whose decoder Linears are about to be quantized (no zero.Init on
+    ZeRO-2): on the GPU where the full-precision model fits in 80 % of it (seconds; the peak is
+    then reset, since a pretrained model loads on the host instead), else on the host with all of
+    this rank's cores (the launcher's one thread per rank makes an 8B init take many minutes)."""
+    import os
+
+    import torch
+
+    dev = _device(r)
+    if dev.type == "cuda":
+        cap = cfg.hardware.vram_limit_gib
+        room = cap * 2**30 if cap else torch.cuda.get_device_properties(dev).total_memory
+        if plan.model.n_params * dtype.itemsize <= 0.8 * room:
+            with torch.device(dev):
+                model = build_model(cfg.model, r.attention.value, dtype)
+            return model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.hardware.num_gpus)))
+    try:
+        return build_model(cfg.model, r.attention.value, dtype)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _device(r):
