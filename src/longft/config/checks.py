@@ -6,12 +6,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from longft.config import cpu_rules, qlora
-
-if TYPE_CHECKING:
-    from longft.config.params import Config
+from longft.config.sections import Config
 
 
 def problems(cfg: Config) -> list[str]:

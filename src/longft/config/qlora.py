@@ -9,10 +9,8 @@ run that params put on stage 3 to stage 2, and the plan says why (hardware.polic
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from longft.config.params import Config
+from longft.config.sections import Config
 
 QLORA_STAGE = 2
 STAGE_REASON = ("QLoRA runs on ZeRO-2: the frozen quantized base weights stay whole on each GPU "
