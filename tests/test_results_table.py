@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from longft.cli import main as cli
 from longft.metrics import results_table
-from longft.metrics.report import add_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,17 +33,10 @@ def test_every_listed_row_is_a_complete_result_and_references_exist():
 
 
 def test_report_benchmarks_flag_prints_the_block(capsys):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    from longft.metrics import report
-    args = p.parse_args(["--benchmarks", str(ROOT / "bench" / "results")])
-    assert report.run(args) == 0
+    assert cli.main(["report", "--benchmarks", str(ROOT / "bench" / "results")]) == 0
     assert capsys.readouterr().out == results_table.render(ROOT / "bench" / "results")
 
 
 def test_a_missing_result_is_an_error_not_a_blank_row(tmp_path, capsys):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    from longft.metrics import report
-    assert report.run(p.parse_args(["--benchmarks", str(tmp_path)])) == 1
+    assert cli.main(["report", "--benchmarks", str(tmp_path)]) == 1
     assert "not readable" in capsys.readouterr().err

@@ -92,7 +92,7 @@ def test_patch_refuses_a_capped_model_on_the_sdpa_based_packed_kernels():
         model = AutoModelForCausalLM.from_config(gemma2_config(), attn_implementation="eager")
     with pytest.raises(patch.PatchError, match=r"softcaps attention logits \(attn_logit_softcapping"
                                                r" 50\), which kernels.packed_attention per_document"):
-        patch.apply(model, False, "none", packed="per_document")
+        patch.apply(model, liger=False, checkpointing="none", packed="per_document")
 
 
 def test_the_packed_attention_function_refuses_a_cap_and_a_short_sliding_window():

@@ -32,19 +32,33 @@ def _estimate(command: str, argv: list[str]) -> int:
     return int(estimate_main(command, argv) or 0)
 
 
+def _report(args: argparse.Namespace) -> int:
+    """`longft report`: BENCHMARKS.md's table (--benchmarks), a sweep grid's findings (--grid), else
+    the table over runs. The three modules share the runs' rows (metrics/report.py), so the choice
+    between them is made here, above all three."""
+    if args.benchmarks:
+        from longft.metrics import results_table
+        return results_table.run(args)
+    if args.grid:
+        from longft.metrics import grid_report
+        return grid_report.run(args)
+    from longft.metrics import report
+    return report.run(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     from longft.metrics import report
     from longft.run import sweep
 
     p = argparse.ArgumentParser(prog="longft", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module, summary in (
-            ("report", report, "results table and plots over DVC experiments or bench results"),
-            ("sweep", sweep, "queue a grid of runs as DVC experiments")):
+    for name, module, handler, summary in (
+            ("report", report, _report, "results table and plots over DVC experiments or bench results"),
+            ("sweep", sweep, sweep.run, "queue a grid of runs as DVC experiments")):
         sp = sub.add_parser(name, help=summary, description=module.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sp)
-        sp.set_defaults(handler=module.run)
+        sp.set_defaults(handler=handler)
     for name, summary in ESTIMATE_COMMANDS.items():  # parsed by longft.cli.estimate itself
         sub.add_parser(name, help=summary, add_help=False)
     return p

@@ -6,24 +6,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from longft.config import cpu_rules, qlora
-
-if TYPE_CHECKING:
-    from longft.config.params import Config
+from longft.config.sections import Config
 
 
 def problems(cfg: Config) -> list[str]:
-    """Ranges and combinations. Each message names the key and what to do."""
-    p: list[str] = []
-    d, t, o, h, z = cfg.data, cfg.train, cfg.optim, cfg.hardware, cfg.zero
+    """Ranges and combinations, section by section. Each message names the key and what to do."""
+    return [msg for section in SECTIONS for msg in section(cfg)]
 
-    def positive(key, v):
-        if v <= 0:
-            p.append(f"{key}: must be > 0, got {v}")
 
-    positive("data.max_seq_length", d.max_seq_length)
+def _positive(key: str, v) -> list[str]:
+    return [f"{key}: must be > 0, got {v}"] if v <= 0 else []
+
+
+def _data(cfg: Config) -> list[str]:
+    """Lengths, counts and where the records come from."""
+    d = cfg.data
+    p = _positive("data.max_seq_length", d.max_seq_length)
     if d.num_samples is None:
         if d.source in ("synthetic", "random"):
             p.append(f"data.num_samples: required for source {d.source!r} (how many samples to "
@@ -33,21 +32,27 @@ def problems(cfg: Config) -> list[str]:
                  + ("" if d.source in ("synthetic", "random") else "; null reads every record"))
     if d.eval_samples < 0:
         p.append(f"data.eval_samples: must be >= 0 (0 = no held-out split), got {d.eval_samples}")
+    if d.source in ("jsonl", "parquet", "hf") and not d.path:
+        p.append(f"data.path: required for source {d.source!r} (a file or dataset name)")
+    return p
+
+
+def _train(cfg: Config) -> list[str]:
+    """Batch sizes (the global batch against micro batch x GPUs), length of the run, seed."""
+    t, p = cfg.train, []
     if t.eval_every < 0:
         p.append(f"train.eval_every: must be >= 0 (0 = evaluate after the last step only), got "
                  f"{t.eval_every}")
-    if d.source in ("jsonl", "parquet", "hf") and not d.path:
-        p.append(f"data.path: required for source {d.source!r} (a file or dataset name)")
     for k in ("micro_batch_size", "global_batch_size", "log_every"):
-        positive(f"train.{k}", getattr(t, k))
+        p += _positive(f"train.{k}", getattr(t, k))
     if (t.iterations is None) == (t.epochs is None):
         p.append(f"train.iterations ({t.iterations}) and train.epochs ({t.epochs}): set exactly one "
                  f"of them and the other to null (iterations = optimizer steps, epochs = passes over "
                  f"the prepared rows); e.g. -S train.iterations=null -S train.epochs=2")
     if t.iterations is not None:
-        positive("train.iterations", t.iterations)
+        p += _positive("train.iterations", t.iterations)
     if t.epochs is not None:
-        positive("train.epochs", t.epochs)
+        p += _positive("train.epochs", t.epochs)
     if t.warmup_iterations < 0:
         p.append(f"train.warmup_iterations: must be >= 0, got {t.warmup_iterations}")
     elif t.iterations is not None and t.iterations > 0 and t.warmup_iterations >= t.iterations:
@@ -55,24 +60,7 @@ def problems(cfg: Config) -> list[str]:
                  f"({t.iterations}), or no iteration is timed")
     if t.max_grad_norm < 0:
         p.append(f"train.max_grad_norm: must be >= 0 (0 disables clipping), got {t.max_grad_norm}")
-    positive("hardware.num_gpus", h.num_gpus)
-    positive("hardware.num_nodes", h.num_nodes)
-    positive("hardware.sequence_parallel", h.sequence_parallel)
-    if h.sequence_parallel > 1 and h.num_gpus > 0 and h.num_gpus % h.sequence_parallel:
-        p.append(f"hardware.sequence_parallel ({h.sequence_parallel}) must divide hardware.num_gpus "
-                 f"({h.num_gpus}): a sequence is split over ranks of one node; e.g. set "
-                 f"sequence_parallel to a divisor of num_gpus")
-    if h.sequence_parallel > 1 and d.max_seq_length > 0 and d.max_seq_length % h.sequence_parallel:
-        p.append(f"data.max_seq_length ({d.max_seq_length}) must be a multiple of "
-                 f"hardware.sequence_parallel ({h.sequence_parallel}): each rank takes an equal "
-                 f"slice of the row; e.g. {d.max_seq_length // h.sequence_parallel * h.sequence_parallel}")
-    if h.num_nodes > 1 and not h.hostfile:
-        p.append("hardware.hostfile: required when hardware.num_nodes > 1 (lines `host slots=N`)")
-    if h.vram_limit_gib is not None and h.vram_limit_gib <= 0:
-        p.append(f"hardware.vram_limit_gib: must be > 0 or null, got {h.vram_limit_gib}")
-    if h.master_port != "auto" and not 1024 <= h.master_port <= 65535:
-        p.append(f"hardware.master_port: must be auto or a TCP port in 1024-65535 (below 1024 needs "
-                 f"root), got {h.master_port}")
+    h = cfg.hardware
     if t.micro_batch_size > 0 and t.global_batch_size > 0 and h.num_gpus > 0 and h.num_nodes > 0:
         per_step = t.micro_batch_size * cfg.world_size
         if t.global_batch_size % per_step:
@@ -82,67 +70,63 @@ def problems(cfg: Config) -> list[str]:
     if not 0 <= t.seed < 2**32:
         p.append(f"train.seed: must be in 0 .. {2**32 - 1} (numpy and DeepSpeed take an unsigned "
                  f"32-bit seed), got {t.seed}; set a seed in that range")
-    positive("optim.lr", o.lr)
+    return p
+
+
+def _hardware(cfg: Config) -> list[str]:
+    """Process counts, sequence parallelism (it divides the GPUs and the row), the launcher's knobs.
+    What the machine has is hardware.policy's (auto, device cpu: `_cpu_device`)."""
+    h, p = cfg.hardware, []
+    p += _positive("hardware.num_gpus", h.num_gpus)
+    p += _positive("hardware.num_nodes", h.num_nodes)
+    p += _positive("hardware.sequence_parallel", h.sequence_parallel)
+    if h.sequence_parallel > 1 and h.num_gpus > 0 and h.num_gpus % h.sequence_parallel:
+        p.append(f"hardware.sequence_parallel ({h.sequence_parallel}) must divide hardware.num_gpus "
+                 f"({h.num_gpus}): a sequence is split over ranks of one node; e.g. set "
+                 f"sequence_parallel to a divisor of num_gpus")
+    seq = cfg.data.max_seq_length
+    if h.sequence_parallel > 1 and seq > 0 and seq % h.sequence_parallel:
+        p.append(f"data.max_seq_length ({seq}) must be a multiple of "
+                 f"hardware.sequence_parallel ({h.sequence_parallel}): each rank takes an equal "
+                 f"slice of the row; e.g. {seq // h.sequence_parallel * h.sequence_parallel}")
+    if h.num_nodes > 1 and not h.hostfile:
+        p.append("hardware.hostfile: required when hardware.num_nodes > 1 (lines `host slots=N`)")
+    if h.vram_limit_gib is not None and h.vram_limit_gib <= 0:
+        p.append(f"hardware.vram_limit_gib: must be > 0 or null, got {h.vram_limit_gib}")
+    if h.master_port != "auto" and not 1024 <= h.master_port <= 65535:
+        p.append(f"hardware.master_port: must be auto or a TCP port in 1024-65535 (below 1024 needs "
+                 f"root), got {h.master_port}")
+    if h.bind_cores and h.launcher != "deepspeed":
+        p.append("hardware.bind_cores: true needs hardware.launcher deepspeed (its "
+                 "--bind_cores_to_rank); set launcher: deepspeed or bind_cores: false")
+    return p
+
+
+def _optim(cfg: Config) -> list[str]:
+    """AdamW's numbers, the LR schedule, and the 8-bit optimizers' rules (config/qlora.py)."""
+    o = cfg.optim
+    p = _positive("optim.lr", o.lr)
     if o.weight_decay < 0:
         p.append(f"optim.weight_decay: must be >= 0, got {o.weight_decay}")
     for i, b in enumerate(o.betas):
         if b is not None and not 0 <= b < 1:
             p.append(f"optim.betas[{i}]: must be in [0, 1), got {b}")
-    positive("optim.eps", o.eps)
+    p += _positive("optim.eps", o.eps)
     if o.warmup_steps < 1:
         p.append(f"optim.warmup_steps: must be >= 1, got {o.warmup_steps} (1 = no warm-up: "
                  "the first step applies optim.lr)")
     if not 0 <= o.min_lr_ratio <= 1:
         p.append(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
-    if z.offload_param == "cpu" and z.stage != 3:
-        p.append("zero.offload_param: 'cpu' needs zero.stage 3 (ZeRO-2 keeps parameters on the GPU);"
-                 " set zero.stage: 3 or zero.offload_param: none")
-    p += _zero(cfg)
-    if h.bind_cores and h.launcher != "deepspeed":
-        p.append("hardware.bind_cores: true needs hardware.launcher deepspeed (its "
-                 "--bind_cores_to_rank); set launcher: deepspeed or bind_cores: false")
-    if cfg.kernels.tiled_mlp_tokens < 1:
-        p.append(f"kernels.tiled_mlp_tokens: must be >= 1, got {cfg.kernels.tiled_mlp_tokens}")
-    g = cfg.checkpointing.gpu_layers
-    if g < 0:
-        p.append(f"checkpointing.gpu_layers: must be >= 0, got {g}")
-    elif g > 0 and cfg.checkpointing.mode != "cpu_offload":
-        p.append(f"checkpointing.gpu_layers: {g} only applies to checkpointing.mode cpu_offload "
-                 f"(mode is {cfg.checkpointing.mode}); set it to 0 or use cpu_offload")
-    k = cfg.checkpointing.keep_attention
-    if k < 0:
-        p.append(f"checkpointing.keep_attention: must be >= 0, got {k}")
-    elif k > 0 and cfg.checkpointing.mode == "none":
-        p.append(f"checkpointing.keep_attention: {k} needs checkpointing (mode auto, gpu or "
-                 "cpu_offload): with mode none nothing is recomputed; set it to 0")
-    if not cfg.checkpointing.prefetch and cfg.checkpointing.mode != "cpu_offload":
-        p.append(f"checkpointing.prefetch: false applies only to checkpointing.mode cpu_offload "
-                 f"(it is {cfg.checkpointing.mode}: no checkpoint comes back from the host); "
-                 "set prefetch: true or mode: cpu_offload")
-    if cfg.output.checkpoint_every < 0:
-        p.append(f"output.checkpoint_every: must be >= 0 (0 = off), got {cfg.output.checkpoint_every}")
-    if cfg.output.keep_last < 1:
-        p.append(f"output.keep_last: must be >= 1, got {cfg.output.keep_last}")
-    if cfg.lora.rank < 0:
-        p.append(f"lora.rank: must be >= 0 (0 = full finetuning), got {cfg.lora.rank}")
-    if cfg.lora.rank > 0:
-        positive("lora.alpha", cfg.lora.alpha)
-        if not cfg.lora.target_modules:
-            p.append("lora.target_modules: must name at least one module when lora.rank > 0")
-    if not 0 <= cfg.lora.dropout < 1:
-        p.append(f"lora.dropout: must be in [0, 1), got {cfg.lora.dropout}")
-    p += qlora.problems(cfg)
-    if h.device == "cpu":  # device auto resolving to cpu: the same rules, in hardware.resolve
-        p += (cpu_rules.precision(cfg.precision) + cpu_rules.checkpointing(cfg.checkpointing.mode)
-              + cpu_rules.attention(cfg.kernels.attention) + cpu_rules.liger(cfg.kernels.liger)
-              + cpu_rules.vram_limit(h.vram_limit_gib) + cpu_rules.offload_ratio(cfg.zero.offload_ratio)
-              + cpu_rules.optimizer(cfg.optim.name))
-    return p
+    return p + qlora.eight_bit(cfg)
 
 
 def _zero(cfg: Config) -> list[str]:
-    """The optimizer-placement knobs of the zero section (ratio, bf16 states, NVMe)."""
+    """Where the parameters and optimizer states live (offload, ratio, bf16 states, NVMe) and the
+    ZeRO-3-only buckets."""
     z, p = cfg.zero, []
+    if z.offload_param == "cpu" and z.stage != 3:
+        p.append("zero.offload_param: 'cpu' needs zero.stage 3 (ZeRO-2 keeps parameters on the GPU);"
+                 " set zero.stage: 3 or zero.offload_param: none")
     if not 0 < z.offload_ratio <= 1:
         p.append(f"zero.offload_ratio: must be in (0, 1], got {z.offload_ratio} (for none on the host "
                  "set zero.offload_optimizer: none)")
@@ -185,3 +169,70 @@ def _zero(cfg: Config) -> list[str]:
         p.append(f"zero.param_persistence_threshold: must be >= 0 elements (0: nothing persists), "
                  f"or null for longft's default, got {z.param_persistence_threshold}")
     return p
+
+
+def _kernels(cfg: Config) -> list[str]:
+    k = cfg.kernels
+    if k.tiled_mlp_tokens < 1:
+        return [f"kernels.tiled_mlp_tokens: must be >= 1, got {k.tiled_mlp_tokens}"]
+    return []
+
+
+def _checkpointing(cfg: Config) -> list[str]:
+    """The knobs that only apply to some checkpointing modes."""
+    c, p = cfg.checkpointing, []
+    if c.gpu_layers < 0:
+        p.append(f"checkpointing.gpu_layers: must be >= 0, got {c.gpu_layers}")
+    elif c.gpu_layers > 0 and c.mode != "cpu_offload":
+        p.append(f"checkpointing.gpu_layers: {c.gpu_layers} only applies to checkpointing.mode "
+                 f"cpu_offload (mode is {c.mode}); set it to 0 or use cpu_offload")
+    if c.keep_attention < 0:
+        p.append(f"checkpointing.keep_attention: must be >= 0, got {c.keep_attention}")
+    elif c.keep_attention > 0 and c.mode == "none":
+        p.append(f"checkpointing.keep_attention: {c.keep_attention} needs checkpointing (mode auto, "
+                 "gpu or cpu_offload): with mode none nothing is recomputed; set it to 0")
+    if not c.prefetch and c.mode != "cpu_offload":
+        p.append(f"checkpointing.prefetch: false applies only to checkpointing.mode cpu_offload "
+                 f"(it is {c.mode}: no checkpoint comes back from the host); "
+                 "set prefetch: true or mode: cpu_offload")
+    return p
+
+
+def _output(cfg: Config) -> list[str]:
+    o, p = cfg.output, []
+    if o.checkpoint_every < 0:
+        p.append(f"output.checkpoint_every: must be >= 0 (0 = off), got {o.checkpoint_every}")
+    if o.keep_last < 1:
+        p.append(f"output.keep_last: must be >= 1, got {o.keep_last}")
+    return p
+
+
+def _lora(cfg: Config) -> list[str]:
+    """Adapter rank, alpha, targets, dropout; QLoRA's rules (config/qlora.py)."""
+    lo, p = cfg.lora, []
+    if lo.rank < 0:
+        p.append(f"lora.rank: must be >= 0 (0 = full finetuning), got {lo.rank}")
+    if lo.rank > 0:
+        p += _positive("lora.alpha", lo.alpha)
+        if not lo.target_modules:
+            p.append("lora.target_modules: must name at least one module when lora.rank > 0")
+    if not 0 <= lo.dropout < 1:
+        p.append(f"lora.dropout: must be in [0, 1), got {lo.dropout}")
+    return p + qlora.quantize(cfg)
+
+
+def _cpu_device(cfg: Config) -> list[str]:
+    """hardware.device cpu: what the CPU cannot run (config/cpu_rules.py; device auto resolving to
+    cpu gets the same rules in hardware.policy)."""
+    if cfg.hardware.device != "cpu":
+        return []
+    return (cpu_rules.precision(cfg.precision) + cpu_rules.checkpointing(cfg.checkpointing.mode)
+            + cpu_rules.attention(cfg.kernels.attention) + cpu_rules.liger(cfg.kernels.liger)
+            + cpu_rules.vram_limit(cfg.hardware.vram_limit_gib)
+            + cpu_rules.offload_ratio(cfg.zero.offload_ratio) + cpu_rules.optimizer(cfg.optim.name))
+
+
+SECTIONS = (_data, _train, _hardware, _optim, _zero, _kernels, _checkpointing, _output, _lora,
+            _cpu_device)
+"""The rule functions `problems` runs, in this order: one per params.yaml section (model, precision
+and track have none of their own), then the CPU device's rules across sections."""

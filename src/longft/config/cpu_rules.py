@@ -1,6 +1,6 @@
 """What a run on the CPU cannot take, one function per rule, each returning its problem ([] = fine).
 
-Two callers apply them: the config check (`checks.problems`, hardware.device set to cpu) and the
+Two callers apply them: the config check (`checks._cpu_device`, hardware.device set to cpu) and the
 hardware policy (`longft.hardware.policy`, device auto resolved to cpu on a machine without a GPU),
 so the rule and its message are written here once.
 """

@@ -9,10 +9,8 @@ run that params put on stage 3 to stage 2, and the plan says why (hardware.polic
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from longft.config.params import Config
+from longft.config.sections import Config
 
 QLORA_STAGE = 2
 STAGE_REASON = ("QLoRA runs on ZeRO-2: the frozen quantized base weights stay whole on each GPU "
@@ -26,16 +24,17 @@ def quantized(cfg: Config) -> bool:
 
 
 def with_stage(cfg: Config) -> Config:
-    """cfg with zero.stage 2 where QLoRA needs it (after `problems` found nothing)."""
+    """cfg with zero.stage 2 where QLoRA needs it (after `checks.problems` found nothing)."""
     if quantized(cfg) and cfg.zero.stage != QLORA_STAGE:
         return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=QLORA_STAGE))
     return cfg
 
 
-def problems(cfg: Config) -> list[str]:
-    """What QLoRA and the 8-bit optimizer cannot be combined with; each message names the fix."""
+def quantize(cfg: Config) -> list[str]:
+    """What lora.quantize (QLoRA) cannot be combined with; each message names the fix
+    (checks._lora runs it)."""
     p: list[str] = []
-    q, z, o = cfg.lora.quantize, cfg.zero, cfg.optim
+    q, z = cfg.lora.quantize, cfg.zero
     if q != "none" and cfg.lora.rank <= 0:
         p.append(f"lora.quantize: {q} quantizes the frozen base weights under LoRA adapters "
                  f"(QLoRA) and needs lora.rank > 0; set lora.rank (e.g. 16) or lora.quantize: none")
@@ -54,6 +53,14 @@ def problems(cfg: Config) -> list[str]:
                          f"lora.quantize: none")
         if z.host_grad_buffer == "shared":
             p.append(f"zero.host_grad_buffer: shared needs ZeRO-3, but {why}; set it to auto")
+    return p
+
+
+def eight_bit(cfg: Config) -> list[str]:
+    """What optim.name adamw_8bit / paged_adamw_8bit cannot be combined with (checks._optim runs
+    it)."""
+    p: list[str] = []
+    z, o = cfg.zero, cfg.optim
     if o.name in EIGHT_BIT:
         if z.offload_optimizer != "none":
             p.append(f"optim.name: {o.name} keeps Adam's states in 8 bits on the GPU "

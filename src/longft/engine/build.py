@@ -33,9 +33,7 @@ def build(cfg: Config, plan: Plan, ds: dict):
         model = _random_init_for_quantizing(cfg, plan, r, dtype)
     else:
         model = build_model(cfg.model, r.attention.value, dtype)
-    record = patch.apply(model, r.liger.value, r.checkpointing.value, r.sdpa_backend.value,
-                         r.tiled_mlp.value, cfg.kernels.tiled_mlp_tokens,
-                         cfg.checkpointing.keep_attention, r.packed_attention.value)
+    record = patch.apply_resolved(model, r, cfg)
     if record["replaced_modules"] != plan.patches.replaced_modules:
         raise TrainingError(f"patched modules differ from the plan: {record['replaced_modules']} vs "
                             f"{dict(plan.patches.replaced_modules)}; re-run `dvc repro patch`")

@@ -64,7 +64,7 @@ class Stopped(Exception):
         super().__init__(f"stopped by {name(signum)} after step {step}")
 
 
-class _Handlers:
+class SignalHandlers:
     """Install `_handle` for SIGINT and SIGTERM (main thread only) and restore the old ones."""
 
     def __init__(self, repeat_s: float = 1.0, clock=time.monotonic):
@@ -98,7 +98,7 @@ class _Handlers:
         raise NotImplementedError
 
 
-class StopRequest(_Handlers):
+class StopRequest(SignalHandlers):
     """On a rank: the first SIGINT/SIGTERM sets `signum`; a second one raises KeyboardInterrupt."""
 
     def _handle(self, signum, frame) -> None:
@@ -119,7 +119,7 @@ class StopRequest(_Handlers):
         return int(t.item())
 
 
-class Relay(_Handlers):
+class Relay(SignalHandlers):
     """In the train stage: pass SIGINT/SIGTERM on to the launcher's rank processes.
 
     `proc` is the launcher, started in a session of its own (so its process group id is its pid).

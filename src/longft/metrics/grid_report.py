@@ -242,7 +242,7 @@ def write_plot(res: GridResults, out_dir: Path) -> Path:
     return path
 
 
-# -- command line (from report.run) ------------------------------------------------------------
+# -- command line (longft report --grid: cli/main.py) ------------------------------------------------------------
 
 def run(args) -> int:
     """`longft report --from-json DIR --grid GRID [--grid ...] [--out FILE] [--plots DIR]`."""

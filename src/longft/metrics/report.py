@@ -357,12 +357,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "benchmarks", None):
-        from longft.metrics import results_table
-        return results_table.run(args)
-    if getattr(args, "grid", None):
-        from longft.metrics import grid_report
-        return grid_report.run(args)
+    """The runs table (and plots); `longft report` hands --benchmarks and --grid to
+    metrics/results_table.py and metrics/grid_report.py instead (cli/main.py)."""
     try:
         if args.from_json:
             if not args.from_json.is_dir():

@@ -11,6 +11,8 @@ import importlib
 from collections import Counter
 from types import MethodType
 
+from longft.config.plan import Resolved
+from longft.config.sections import Config
 from longft.errors import UserError
 from longft.model import attention, packed_attention
 from longft.model.tiled_mlp import decoder_layers, skips_recompute
@@ -75,11 +77,22 @@ def rope_function(model) -> str:
     return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else "n/a"
 
 
-def apply(model, liger: bool, checkpointing: str, sdpa_backend: str = "default",
+def apply_resolved(model, resolved: Resolved, cfg: Config) -> dict:
+    """`apply` as a run does it: each `auto` as resolved (plan.resolved in the train stage,
+    hardware.resolve's choices in the patch stage), the other knobs from params."""
+    return apply(model, liger=resolved.liger.value, checkpointing=resolved.checkpointing.value,
+                 sdpa_backend=resolved.sdpa_backend.value, tiled_mlp=resolved.tiled_mlp.value,
+                 tile_tokens=cfg.kernels.tiled_mlp_tokens,
+                 keep_attention=cfg.checkpointing.keep_attention,
+                 packed=resolved.packed_attention.value)
+
+
+def apply(model, *, liger: bool, checkpointing: str, sdpa_backend: str = "default",
           tiled_mlp: bool = False, tile_tokens: int = 8192, keep_attention: int = 0,
           packed: str = "none") -> dict:
-    """Patch `model` in place; return the record of what was actually replaced. `packed` is the
-    resolved kernels.packed_attention: varlen / per_document / flash_attn_4 install longft's per-document
+    """Patch `model` in place; return the record of what was actually replaced. The knobs are the
+    resolved values (`apply_resolved` reads them from the plan). `packed` is the resolved
+    kernels.packed_attention: varlen / per_document / flash_attn_4 install longft's per-document
     attention (model/packed_attention.py); the other values leave attention as it is."""
     _check_softcap(model, packed)
     if liger:

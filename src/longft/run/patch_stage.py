@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from longft import hardware
 from longft.config.params import Config, to_dict
+from longft.config.plan import Resolved
 from longft.engine import ds_config
 from longft.estimate.estimator import estimate_for_plan
 from longft.hardware import nvme
@@ -61,10 +62,7 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     precision = choices["precision"].value
     model = meta_model(mc, choices["attention"].value, cfg.model.trust_remote_code)
     try:
-        record = patch.apply(model, choices["liger"].value, choices["checkpointing"].value,
-                             choices["sdpa_backend"].value, choices["tiled_mlp"].value,
-                             cfg.kernels.tiled_mlp_tokens, cfg.checkpointing.keep_attention,
-                             choices["packed_attention"].value)
+        record = patch.apply_resolved(model, Resolved.from_dict(choices), cfg)
     except patch.PatchError as e:  # a knob this model or mode cannot take (patch checks it)
         raise hardware.PlanError([str(e)]) from None
     n_params = sum(p.numel() for p in model.parameters())

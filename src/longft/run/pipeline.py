@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from longft.engine.stop import _Handlers
+from longft.engine.stop import SignalHandlers
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -44,7 +44,7 @@ def stage_commands(params: Path, work: Path) -> dict[str, list[str]]:
     }
 
 
-class _SignalsTo(_Handlers):
+class _SignalsTo(SignalHandlers):
     """While a stage runs, SIGINT and SIGTERM go on to it, and the stage decides: train finishes
     the step, checkpoints and exits 130/143 (stop.py). (A terminal's Ctrl-C reaches the stage
     itself too; the train stage counts the two as one.)"""
