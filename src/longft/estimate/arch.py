@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from longft.estimate.quantized import QUANTIZED_LINEARS, quantized_weight_bytes
 from longft.estimate.types import DS_SUB_GROUP_SIZE, Setup
 from longft.model.architecture import attention_dims
 
@@ -63,6 +64,14 @@ def trainable_numels(arch: dict, s: Setup) -> list[int]:
             if name in s.lora_targets:
                 out += [s.lora_rank * i, o * s.lora_rank]
     return out
+
+
+def quantized_linears(arch: dict, s: Setup) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every decoder linear QLoRA quantizes (none without it)."""
+    if s.quantize == "none":
+        return []
+    shapes = [io for name, io in _linear_shapes(dims(arch)).items() if name in QUANTIZED_LINEARS]
+    return shapes * dims(arch)["L"]
 
 
 def sub_groups(numels: list[int], size: int = DS_SUB_GROUP_SIZE) -> list[int]:
@@ -123,7 +132,11 @@ class Numbers:
     ms: int              # bytes of a master weight, its gradient and each Adam moment (4, bf16: 2)
     layer: int           # parameters of one decoder layer
     biggest: int         # largest parameter of a decoder layer
-    largest: int         # largest parameter of the model (the embedding)
+    largest: int         # largest trainable parameter (the embedding; LoRA: an adapter matrix)
+    adapters: int        # LoRA adapter parameters (0 without LoRA)
+    Pq: int              # base parameters held quantized (QLoRA; else 0)
+    quant_bytes: int     # their bytes in bitsandbytes' blocks (quantized.py)
+    biggest_q: int       # the largest quantized weight (numel): one is dequantized at a time
 
 
 def share(n: int, world: int) -> int:
@@ -137,6 +150,7 @@ def numbers(arch: dict, s: Setup) -> Numbers:
     params, trainable = param_numels(arch), trainable_numels(arch, s)
     per_layer = layer_params(arch)
     groups = sub_groups([share(n, N) for n in trainable], s.sub_group_size) if trainable else [0]
+    quant = quantized_linears(arch, s)
     on_gpu, on_host = optimizer_split(s, groups)
     return Numbers(
         a=a, w=4 if s.precision == "fp32" else 2, T=s.local_tokens,
@@ -146,4 +160,7 @@ def numbers(arch: dict, s: Setup) -> Numbers:
         groups=groups, gpu_groups=on_gpu, host_groups=on_host,
         ms=2 if s.optimizer_states == "bf16" else 4,
         layer=sum(n for _, n in per_layer), biggest=max(n for _, n in per_layer),
-        largest=max(n for _, n in params))
+        largest=max(trainable, default=0), adapters=sum(trainable) if s.lora_rank > 0 else 0,
+        Pq=sum(i * o for i, o in quant),
+        quant_bytes=sum(quantized_weight_bytes(s.quantize, i, o) for i, o in quant),
+        biggest_q=max((i * o for i, o in quant), default=0))

@@ -66,7 +66,9 @@ def describe(s: Setup) -> str:
     return (f"seq {s.seq_len:,} x micro-batch {s.micro_batch}, {s.world_size} rank(s){sp}{where}, "
             f"{s.precision}, {attn}, Liger {'on' if s.liger else 'off'}, checkpointing "
             f"{s.checkpointing}, ZeRO-{s.zero_stage} offload {off}"
-            + (f", LoRA r={s.lora_rank}" if s.lora_rank else ""))
+            + (f", {'QLoRA ' + s.quantize if s.quantize != 'none' else 'LoRA'} r={s.lora_rank}"
+               if s.lora_rank else "")
+            + (f", optimizer {s.optimizer}" if s.optimizer != "adamw" else ""))
 
 
 def format_table(est: Estimate, fit: Fit | None = None) -> str:
