@@ -159,7 +159,7 @@ def alternatives(arch: dict, base: Setup, ask: Ask) -> list[Alternative]:
     ask.tunings) fit, smallest first: bf16 optimizer states and 8-bit optimizer states (still all
     parameters), NVMe for the optimizer states, LoRA, QLoRA, more GPUs, a shorter context. Each
     with the fastest placement that fits, or None and why not. Changes the search already
-    allowed are left out."""
+    allowed are left out, and so are those about optimizer states for a LoRA run."""
     t = ask.tunings[0]
     _, lora, qlora = kinds(base)
     r = lora.lora_rank
@@ -169,20 +169,21 @@ def alternatives(arch: dict, base: Setup, ask: Ask) -> list[Alternative]:
         out.append(Alternative(change, flags, c, gpus, note))
 
     seq = base.seq_len
-    if "bf16" not in ask.states and base.precision == "bf16":
+    full = not t.lora_rank       # LoRA's optimizer states are small: bf16, 8-bit or NVMe save little
+    if full and "bf16" not in ask.states and base.precision == "bf16":
         add("bf16 optimizer states", "--optimizer-states bf16",
             best_at(arch, base, seq, ask, t, states=("bf16",)))
     searched = set(ask.tunings)
     eight = dataclasses.replace(t, optimizer="adamw_8bit")
-    if t.optimizer == "adamw" and t.quantize == "none" and eight not in searched:
+    if full and t.optimizer == "adamw" and eight not in searched:
         add("8-bit optimizer states (adamw_8bit)", "--optimizer adamw_8bit",
             best_at(arch, base, seq, ask, eight))
-    if ask.disk_gib is None and t.quantize == "none" and t.optimizer == "adamw":
+    if full and ask.disk_gib is None and t.optimizer == "adamw":
         c = best_at(arch, base, seq, ask, t, disk_gib=ASSUMED_DISK_GIB, offloads=("opt(nvme)",))
         add("optimizer states on NVMe", "--nvme-path DIR", c,
             note=f"needs {c.est.disk_bytes / 2**30:.0f} GiB of NVMe; --nvme-path checks the free "
             "space" if c else "")
-    if not t.lora_rank and lora not in searched:
+    if full and lora not in searched:
         add(f"LoRA r={r}", f"--lora {r}", best_at(arch, base, seq, ask, lora))
     if t.quantize == "none" and qlora not in searched:
         add(f"QLoRA nf4 r={r}", f"--lora {r} --quantize nf4",
