@@ -188,7 +188,7 @@ def alternatives(arch: dict, base: Setup, ask: Ask) -> list[Alternative]:
     if t.quantize == "none" and qlora not in searched:
         add(f"QLoRA nf4 r={r}", f"--lora {r} --quantize nf4",
             best_at(arch, base, seq, ask, qlora),
-            note="QLoRA speed unmeasured (placement.DEQUANT_BYTES_PER_S)")
+            note="QLoRA speed unmeasured (speed.DEQUANT_BYTES_PER_S)")
     out.append(_more_gpus(arch, base, ask))
     shorter = longest_context(arch, base, t, ask, top=seq - SEQ_STEP) if seq > SEQ_STEP else 0
     add(f"shorter context ({t.name})", f"--seq {shorter}" if shorter else "",

@@ -1,112 +1,40 @@
-"""Placement search for `longft plan`: every ZeRO-3 offload x checkpointing x micro-batch that
-fits (with checkpointing, the GPU memory left filled by `keep_on_gpu`: attention outputs kept,
-`checkpointing.keep_attention`, then checkpoints kept, `checkpointing.gpu_layers`), ranked by a
-speed heuristic, and the params overlay of the chosen one.
+"""Placement search for `longft plan`: what trains (`Tuning`: all parameters, LoRA, QLoRA, 8-bit
+Adam) x offload x checkpointing x micro-batch, every candidate that fits (with checkpointing, the
+GPU memory left filled by `keep_on_gpu`: attention outputs kept, `checkpointing.keep_attention`,
+then checkpoints kept, `checkpointing.gpu_layers`), ranked by the speed heuristic (`speed`), the
+choice among near-ties with its reason, and the params overlay of the chosen one.
 
     from longft.estimate.placement import best, search
     choice = best(search(arch, base_setup, gpu_mem_gib=80, host_mem_gib=256, gpu_name=None))
 
-The command itself (arguments, output, the overlay file) is estimate_cli.cmd_plan; the heuristic's
-constants and formula are in docs/estimator.md.
+The command itself (arguments, output, the overlay file) is cli/plan.py; what fits when nothing
+does is advice.py; the heuristic's constants and formula are in docs/estimator.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from longft.estimate.arch import trainable_numels
-from longft.estimate.estimator import GIB, Estimate, Fit, Setup, estimate, fits, param_numels
+from longft.estimate.estimator import GIB, Estimate, Fit, Setup, estimate, fits
+from longft.estimate.speed import (  # noqa: F401 - re-exported: the plan's speed heuristic
+    DEQUANT_BYTES_PER_S,
+    dequant_seconds,
+    optimizer_seconds,
+    step_seconds,
+    tokens_per_second,
+)
 from longft.hardware.policy import why_not_shared_grad_buffer as why_not
 from longft.model.attention import fused_kernel
-from longft.model.tiled_mlp import skips_recompute, tiles
 
-# ---------------------------------------------------------------- speed heuristic (plan ranking)
-ACHIEVED_FRACTION = 0.5
-"""Fraction of the dense peak that matmuls reach, recompute included (H200 rows: 0.39 MFU x 4/3)."""
-UNKNOWN_PEAK_FLOPS = 312e12
-"""Dense bf16 peak assumed when the GPU is not in flops.PEAK_TFLOPS (an A100)."""
-MICRO_OVERHEAD_TOKENS = 2048
-"""Fixed cost of one micro-step (launches, hooks, syncs) in token-equivalents of compute."""
-HOST_LINK_BYTES_PER_S = 20e9
-"""Effective PCIe bandwidth for parameter fetches, gradient and checkpoint copies."""
-EXPOSED_FRACTION = 0.5
-"""Share of host<->GPU copy time not hidden behind compute."""
-CPU_ADAM_PARAMS_PER_S = 2.2e9
-"""DeepSpeedCPUAdam speed (H200 row b: 1.24e9 parameters in 0.55 s on 16 cores)."""
-GPU_ADAM_BYTES_PER_S = 1.5e12
-"""Fused Adam on the GPU: 16 B read+written per parameter at about this rate."""
-NVME_BYTES_PER_S = 2e9
-"""offload_optimizer nvme: read + write bandwidth assumed for the state files (a PCIe 4 NVMe drive;
-DeepSpeed's aio reaches about this per drive)."""
 NEAR_BUDGET = 0.03
 """A candidate within this share of the GPU or host budget gets a warning (the estimator is good
-to a few per cent on measured rows, and uncalibrated paths are less sure), and loses near-ties. The GPU memory
-that keep_on_gpu fills with kept attention outputs and checkpoints stops this far below the card."""
+to a few per cent on measured rows, and uncalibrated paths are less sure), and loses near-ties.
+What keep_on_gpu keeps on the GPU only for speed stops this far below the card."""
+NEAR_TIE = 0.02
+"""Candidates within this share of the fastest count as equally fast (the speed model ranks; its
+absolute numbers are low by 8-14 %)."""
 RATIO_STEPS = 16
 """At most this many offload_ratio values per placement in the search (evenly over the sub-groups)."""
-DEQUANT_BYTES_PER_S = 1.0e12
-"""QLoRA, an assumption until a measured row replaces it: the rate at which bitsandbytes turns a
-quantized weight back into the training dtype (its blocks read, the weight written), about the
-memory bandwidth of a 24 GB card (an H200 has 4.8 TB/s). Dequantization is the only QLoRA cost
-modelled: the bf16 GEMM after it is LoRA's own, so at long contexts QLoRA predicts nearly LoRA's
-speed. The plan says QLoRA speeds are unmeasured."""
-
-
-def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
-    """Predicted seconds of one optimizer step (grad_accum micro-steps) on one rank."""
-    from longft.estimate.flops import attention_flops, flops_per_token, peak_flops
-
-    T = s.local_tokens  # sequence parallel: N micro-steps of seq / N tokens for each row
-    w = 4 if s.precision == "fp32" else 2
-    P_r = sum(n for _, n in param_numels(arch)) / s.world_size
-    peak = peak_flops(gpu_name, s.precision) or UNKNOWN_PEAK_FLOPS
-    recompute = 1.0 if s.checkpointing == "none" else 4 / 3
-    lora = sum(trainable_numels(arch, s)) if s.lora_rank else None  # no frozen weights' gradients
-    micro = T * flops_per_token(arch, s.seq_len, lora_params=lora) * recompute / (ACHIEVED_FRACTION * peak)
-    micro *= 1 + MICRO_OVERHEAD_TOKENS / T
-    skipped = skips_recompute(s.checkpointing, arch.get("model_type"))
-    if s.checkpointing != "none" and s.keep_attention:  # their attention forward runs once
-        kept = min(s.keep_attention, arch["num_hidden_layers"])
-        micro -= T * attention_flops(arch, s.seq_len) * kept / (ACHIEVED_FRACTION * peak)
-    if s.tiled_mlp and tiles(T, s.tile_tokens) > 1 and not skipped:  # one more MLP forward
-        mlp = 2 * 3 * arch["hidden_size"] * arch["intermediate_size"] * arch["num_hidden_layers"]
-        micro += T * mlp / (ACHIEVED_FRACTION * peak)
-    if s.offload_param:      # fetch every layer for forward, recompute and backward
-        micro += EXPOSED_FRACTION * 3 * w * P_r / HOST_LINK_BYTES_PER_S
-    if s.checkpointing == "cpu_offload":
-        moved = max(0, arch["num_hidden_layers"] - s.gpu_layers)
-        micro += EXPOSED_FRACTION * 2 * moved * T * arch["hidden_size"] * w / HOST_LINK_BYTES_PER_S
-    if s.quantize != "none":
-        micro += dequant_seconds(arch, s)
-    return s.grad_accum * s.sequence_parallel * micro + optimizer_seconds(arch, s)
-
-
-def dequant_seconds(arch: dict, s: Setup) -> float:
-    """QLoRA: each quantized linear is dequantized for the forward, the recompute (with
-    checkpointing) and the backward's input gradient: its blocks read and the weight written in
-    the training dtype each time, at DEQUANT_BYTES_PER_S (an assumption, unmeasured)."""
-    from longft.estimate.arch import numbers
-
-    n = numbers(arch, s)
-    passes = 2 if s.checkpointing == "none" else 3
-    return passes * (n.quant_bytes + n.w * n.Pq) / DEQUANT_BYTES_PER_S
-
-
-def optimizer_seconds(arch: dict, s: Setup) -> float:
-    """Predicted seconds of the optimizer step: CPU Adam over the host's sub-groups (plus copying
-    their weights back, and with NVMe reading and writing their states), GPU Adam over the rest."""
-    from longft.estimate.arch import numbers
-
-    n = numbers(arch, s)
-    on_gpu, on_host = sum(n.gpu_groups), sum(n.host_groups)
-    # master, gradient, m, v; 8-bit Adam reads and writes m and v in 1 B each
-    per = 4 * n.ms if s.optimizer == "adamw" else 2 * n.ms + 2
-    t = per * on_gpu / GPU_ADAM_BYTES_PER_S
-    if on_host:
-        t += on_host / CPU_ADAM_PARAMS_PER_S + n.w * on_host / HOST_LINK_BYTES_PER_S
-        if s.nvme:
-            t += 2 * 4 * n.ms * on_host / NVME_BYTES_PER_S
-    return t
 
 
 def offload_ratios(arch: dict, s: Setup) -> list[float]:
@@ -133,11 +61,6 @@ def ratio_for(k: int, groups: int) -> float:
             if lo < r <= 1 and int((1 - r) * groups) == k:
                 return r
     return (groups - k - 0.5) / groups
-
-
-def tokens_per_second(arch: dict, s: Setup, gpu_name: str | None) -> float:
-    """Predicted tokens/s of the whole job (all ranks)."""
-    return s.world_size * s.grad_accum * s.micro_batch * s.seq_len / step_seconds(arch, s, gpu_name)
 
 
 # ---------------------------------------------------------------- search
@@ -315,11 +238,6 @@ def _scan(arch: dict, s: Setup, off: str, gpu_mem_gib: float, host_mem_gib: floa
     return out
 
 
-NEAR_TIE = 0.02
-"""Candidates within this share of the fastest count as equally fast (the speed model ranks; its
-absolute numbers are low by 8-14 %)."""
-
-
 def near_budget(c: Candidate, gpu_mem_gib: float, host_mem_gib: float,
                 margin: float = NEAR_BUDGET) -> list[str]:
     """Warnings for a candidate whose GPU or host need is within `margin` of its budget."""
@@ -334,11 +252,9 @@ def near_budget(c: Candidate, gpu_mem_gib: float, host_mem_gib: float,
     return out
 
 
-def _used(c: Candidate, gpu_mem_gib: float | None, host_mem_gib: float | None) -> float:
-    """The share of the machine a candidate uses: GPU share + host share (GPU share alone
-    without a host size)."""
-    g = c.est.gpu_nvml / (gpu_mem_gib * GIB) if gpu_mem_gib else c.est.gpu_nvml / GIB
-    return g + (c.est.host_rss / (host_mem_gib * GIB) if gpu_mem_gib and host_mem_gib else 0)
+def _used(c: Candidate, gpu_mem_gib: float, host_mem_gib: float) -> float:
+    """The share of the machine a candidate uses: GPU share + host share."""
+    return c.est.gpu_nvml / (gpu_mem_gib * GIB) + c.est.host_rss / (host_mem_gib * GIB)
 
 
 def best(cands: list[Candidate], within: float = NEAR_TIE, gpu_mem_gib: float | None = None,
