@@ -86,6 +86,28 @@ def test_the_24_gib_card_gets_an_answer(tmp_path, monkeypatch, on, capsys):
     assert _refit(ov, 24, 60, CPU)
 
 
+def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, on, capsys):
+    """Nothing fits Llama-3.2-1B full-parameter at 64K on 8 GiB + 16 GiB; --out gets no overlay
+    of the asked run (it does not fit), but each fitting alternative's overlay beside it."""
+    monkeypatch.chdir(tmp_path)
+    on(CPU)
+    out = tmp_path / "ov.yaml"
+    rc = main("plan", ["--gpu-mem", "8", "--host-mem", "16", "--model", "llama3.2-1b", "--seq",
+                       "65536", "--max-micro", "2", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 1 and not out.exists()
+    assert text.count("overlay: {") == 4                 # longest LoRA, QLoRA; LoRA, QLoRA at 64K
+    files = sorted(p.name for p in tmp_path.glob("ov.*.yaml"))
+    assert files == ["ov.longest-lora-r-16.yaml", "ov.longest-qlora-nf4-r-16.yaml",
+                     "ov.lora-r-16.yaml", "ov.qlora-nf4-r-16.yaml"]
+    q = yaml.safe_load((tmp_path / "ov.qlora-nf4-r-16.yaml").read_text())
+    assert q["lora"] == {"rank": 16, "quantize": "nf4"} and q["zero"]["stage"] == 2
+    assert (tmp_path / "ov.lora-r-16.yaml").read_text().startswith(
+        "# longft plan, instead of the asked run: LoRA r=16")
+    assert _refit(q, 8, 16, CPU)
+    assert "(within 3 % of a budget)" in text            # the longest contexts fill a budget
+
+
 def test_qlora_and_8bit_are_searched_only_when_allowed():
     full = search(ARCH_8B, BASE_8B, 24, 60, None, max_micro=1)
     assert {(c.setup.lora_rank, c.setup.quantize, c.setup.optimizer) for c in full} == {

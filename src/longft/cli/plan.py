@@ -212,8 +212,9 @@ def _print_fitting(cands: list[Candidate], gpu_mem: float, host_mem: float) -> N
 
 
 def write_overlay(out: str | None, ov: dict, c: Candidate, gpu_mem: float, host_mem: float,
-                  title: str = "longft plan") -> None:
-    """Print the overlay, or write it to `out` with a header of what it predicts."""
+                  title: str = "longft plan", quiet: bool = False) -> None:
+    """Print the overlay, or write it to `out` with a header of what it predicts (and say so
+    unless `quiet`)."""
     import yaml
 
     warn = "".join(f"# warning: {w}\n" for w in near_budget(c, gpu_mem, host_mem))
@@ -226,6 +227,7 @@ def write_overlay(out: str | None, ov: dict, c: Candidate, gpu_mem: float, host_
         from longft.atomic import write_text
 
         write_text(Path(out), head + text)
-        print(f"\nwrote {out}")
+        if not quiet:
+            print(f"\nwrote {out}")
     else:
         print("\n" + head + text)
