@@ -33,14 +33,15 @@ def qlora(quantize="nf4", rank=16, **kw):
 
 def test_nf4_and_int8_bytes_of_one_weight():
     # 4096 x 4096: 4-bit codes 8,388,608 B + 262,144 absmax bytes (one per 64) + 4 B per 256 of
-    # those (1,024 fp32 scales) + the offset and the 16-entry code (68 B)
-    assert nf4_bytes(4096 * 4096) == 8_388_608 + 262_144 + 4 * 1024 + 68
-    assert nf4_bytes(1) == 1 + 1 + 4 + 68                  # the blocks round up
+    # those (1,024 fp32 scales) + the offset, the 16-entry NF4 code and the 256-entry code of the
+    # nested absmax (4 + 64 + 1,024 B)
+    assert nf4_bytes(4096 * 4096) == 8_388_608 + 262_144 + 4 * 1024 + 1092
+    assert nf4_bytes(1) == 1 + 1 + 4 + 1092                # the blocks round up
     # LLM.int8: 1 B per weight + an fp32 scale per output row
     assert int8_bytes(4096, 14336) == 4096 * 14336 + 4 * 14336
-    # 8-bit Adam: m and v 1 B each + an fp32 absmax per 256 elements each
-    assert adam8_state_bytes(512) == 2 * 512 + 2 * 4 * 2
-    assert adam8_state_bytes(513) == 2 * 513 + 2 * 4 * 3
+    # 8-bit Adam: m and v 1 B each + an fp32 absmax per 256 elements each + two 256-entry maps
+    assert adam8_state_bytes(512) == 2 * 512 + 2 * 4 * 2 + 2048
+    assert adam8_state_bytes(513) == 2 * 513 + 2 * 4 * 3 + 2048
 
 
 def test_qlora_runs_on_zero2():
@@ -59,9 +60,9 @@ def test_qlora_runs_on_zero2():
 def test_small_config_nf4_by_hand():
     """h 64, I 176, 2 layers: q, o 64 x 64; k, v 64 x 32; gate, up, down 64 x 176."""
     e = items(estimate(SMALL, qlora(rank=4)))
-    q = 2048 + 64 + 4 + 68          # 4,096 weights: codes, 64 absmax, one fp32 scale, constants
-    k = 1024 + 32 + 4 + 68          # 2,048 weights
-    mlp = 5632 + 176 + 4 + 68       # 11,264 weights
+    q = 2048 + 64 + 4 + 1092        # 4,096 weights: codes, 64 absmax, one fp32 scale, constants
+    k = 1024 + 32 + 4 + 1092        # 2,048 weights
+    mlp = 5632 + 176 + 4 + 1092     # 11,264 weights
     assert e["weights: base linears in nf4 (bitsandbytes)"] == 2 * (2 * q + 2 * k + 3 * mlp)
     P = 2 * 384 * 64 + 2 * (4096 + 2048 + 2048 + 4096 + 3 * 11264 + 2 * 64) + 64
     Pq = 2 * (4096 + 2 * 2048 + 4096 + 3 * 11264)
@@ -78,12 +79,12 @@ def test_small_config_nf4_by_hand():
 def test_llama8b_nf4_base_weights():
     """Llama-3.1-8B: 6,979,321,856 weights in the 7 x 32 decoder linears, 3.35 GiB in NF4."""
     e = items(estimate(LLAMA_8B, qlora()))
-    q = 8_388_608 + 262_144 + 4 * 1024 + 68                # 4096 x 4096 (q, o)
-    kv = 2_097_152 + 65_536 + 4 * 256 + 68                 # 4096 x 1024 (k, v)
-    mlp = 29_360_128 + 917_504 + 4 * 3584 + 68             # 4096 x 14336 (gate, up, down)
+    q = 8_388_608 + 262_144 + 4 * 1024 + 1092              # 4096 x 4096 (q, o)
+    kv = 2_097_152 + 65_536 + 4 * 256 + 1092               # 4096 x 1024 (k, v)
+    mlp = 29_360_128 + 917_504 + 4 * 3584 + 1092           # 4096 x 14336 (gate, up, down)
     assert e["weights: base linears in nf4 (bitsandbytes)"] == 32 * (2 * q + 2 * kv + 3 * mlp)
-    assert 32 * (2 * q + 2 * kv + 3 * mlp) == 3_600_432_000
-    assert round(3_600_432_000 / GIB, 3) == 3.353
+    assert 32 * (2 * q + 2 * kv + 3 * mlp) == 3_600_661_376
+    assert round(3_600_661_376 / GIB, 3) == 3.353
     # embeddings, lm_head and 65 norms of 4,096 stay in bf16
     assert e["weights: embeddings, lm_head, norms (ZeRO-2)"] == 2 * (2 * 128256 * 4096 + 65 * 4096)
     assert 2 * 128256 * 4096 + 65 * 4096 + 6_979_321_856 == P_8B
@@ -139,13 +140,13 @@ def test_8bit_adam_states_on_the_gpu_by_hand():
     (both multiples of 256); m and v 2 B + 8 B per 256 elements; fp32 master 4 B as usual."""
     P = 1_235_814_400
     e = items(estimate(LLAMA_1B, Setup(1, 4096, optimizer="adamw_8bit")))
-    assert e["optimizer: Adam m, v in 8-bit blocks"] == 2 * P + 8 * (3_918_016 + 909_384)
+    assert e["optimizer: Adam m, v in 8-bit blocks"] == 2 * P + 8 * (3_918_016 + 909_384) + 2 * 2048
     assert e["optimizer: fp32 master"] == 4 * P
     assert e["gradients: partitions"] == 2 * P
     assert "optimizer: fp32 master + Adam m, v" not in e
     adam = items(estimate(LLAMA_1B, Setup(1, 4096)))["optimizer: fp32 master + Adam m, v"]
     assert adam - e["optimizer: fp32 master"] - e["optimizer: Adam m, v in 8-bit blocks"] == \
-        8 * P - 2 * P - 8 * (3_918_016 + 909_384)
+        8 * P - 2 * P - 8 * (3_918_016 + 909_384) - 2 * 2048
     paged = items(estimate(LLAMA_1B, Setup(1, 4096, optimizer="paged_adamw_8bit")))
     assert paged["optimizer: Adam m, v in 8-bit blocks (paged: counted on the GPU)"] == \
         e["optimizer: Adam m, v in 8-bit blocks"]
@@ -161,3 +162,30 @@ def test_8bit_adam_states_on_the_gpu_by_hand():
 def test_impossible_setups_are_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         estimate(SMALL, Setup(1, 1024, **kw))
+
+
+def test_the_formulas_are_bitsandbytes_own_bytes():
+    """The same bytes as bitsandbytes' own tensors (its CPU backend): quantize_4bit with double
+    quantization, LLM.int8's row-wise quantization, and AdamW8bit's state after one step."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+    from bitsandbytes import functional as F
+
+    def nbytes(*ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    for i, o in ((64, 176), (256, 64), (300, 70)):
+        w = torch.randn(o, i, dtype=torch.bfloat16)
+        q, st = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        assert nbytes(q, st.absmax, st.offset, st.code, st.state2.absmax, st.state2.code) == \
+            nf4_bytes(i * o)
+        cb, scb, _ = F.int8_vectorwise_quant(w.half())
+        assert nbytes(cb, scb) == int8_bytes(i, o)
+    for n in (4096, 70_001):
+        p = torch.nn.Parameter(torch.randn(n))
+        opt = bnb.optim.AdamW8bit([p])
+        p.grad = torch.randn(n)
+        opt.step()
+        st = opt.state[p]
+        assert nbytes(*(st[k] for k in ("state1", "state2", "absmax1", "absmax2", "qmap1",
+                                        "qmap2"))) == adam8_state_bytes(n)

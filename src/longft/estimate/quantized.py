@@ -14,12 +14,15 @@ NF4_BLOCK = 64
 """bitsandbytes quantize_4bit's blocksize: one absmax per 64 weights."""
 NF4_NESTED_BLOCK = 256
 """Double quantization: the absmax values in 8 bits, one fp32 scale per 256 of them."""
-NF4_CONSTANTS = 4 + 16 * 4
-"""Per quantized weight: the nested absmax's fp32 offset and the 16-entry fp32 NF4 code."""
+NF4_CONSTANTS = 4 + 16 * 4 + 256 * 4
+"""Per quantized weight: the nested absmax's fp32 offset, the 16-entry fp32 NF4 code and the
+256-entry fp32 code of the nested 8-bit absmax (quantize_blockwise copies it into each state)."""
 INT8_ROW_SCALE = 4
 """LLM.int8: one fp32 scale (SCB) per output row of an int8 weight."""
 ADAM8_BLOCK = 256
 """bitsandbytes' blockwise 8-bit optimizers: one fp32 absmax per 256 elements and state."""
+ADAM8_QMAPS = 2 * 256 * 4
+"""Per tensor the 8-bit optimizer steps: the two 256-entry fp32 quantization maps (qmap1, qmap2)."""
 EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
 
@@ -29,7 +32,8 @@ def _ceil(a: int, b: int) -> int:
 
 def nf4_bytes(numel: int) -> int:
     """Bytes of one weight in NF4 with double quantization: 4-bit codes, an 8-bit absmax per 64
-    weights, an fp32 scale per 256 absmax values and the constants (~0.5159 B per weight)."""
+    weights, an fp32 scale per 256 absmax values and the constants (~0.5159 B per weight). The
+    tensors of bitsandbytes 0.50's quantize_4bit, byte for byte (tests/test_estimate_qlora.py)."""
     blocks = _ceil(numel, NF4_BLOCK)
     return _ceil(numel, 2) + blocks + 4 * _ceil(blocks, NF4_NESTED_BLOCK) + NF4_CONSTANTS
 
@@ -56,10 +60,11 @@ def dequant_workspace_bytes(quantize: str, numel: int, w: int) -> int:
 
 def adam8_state_bytes(numel: int) -> int:
     """Adam's m and v for one optimizer tensor in bitsandbytes' blockwise 8-bit form: 1 B each per
-    element and an fp32 absmax per 256 elements each (2 + 8/256 B per element). DeepSpeed hands the
+    element, an fp32 absmax per 256 elements each (2 + 8/256 B per element) and the two
+    quantization maps (AdamW8bit's state of bitsandbytes 0.50, byte for byte). DeepSpeed hands the
     optimizer flat partitions, so every element is in 8 bits (bitsandbytes keeps fp32 states only
     for tensors under 4,096 elements)."""
-    return 2 * numel + 2 * 4 * _ceil(numel, ADAM8_BLOCK)
+    return 2 * numel + 2 * 4 * _ceil(numel, ADAM8_BLOCK) + ADAM8_QMAPS
 
 
 def qlora_zero_stage(stage: int, lora_rank: int, quantize: str) -> int:
