@@ -257,23 +257,39 @@ def _used(c: Candidate, gpu_mem_gib: float, host_mem_gib: float) -> float:
     return c.est.gpu_nvml / (gpu_mem_gib * GIB) + c.est.host_rss / (host_mem_gib * GIB)
 
 
+def changes(s: Setup) -> tuple[str, ...]:
+    """What a candidate changes about the training itself, in the order the plan avoids it among
+    near-ties: LoRA instead of all parameters, quantized base weights, 8-bit Adam states, bf16
+    optimizer states (LoRA's few states gain nothing from the last two)."""
+    return tuple(name for name, on in (
+        ("LoRA", s.lora_rank > 0), (f"{s.quantize} base weights", s.quantize != "none"),
+        (s.optimizer, s.optimizer != "adamw"), ("bf16 optimizer states", s.optimizer_states == "bf16"))
+        if on)
+
+
+def _fidelity(c: Candidate) -> tuple[bool, ...]:
+    s = c.setup
+    return (s.lora_rank > 0, s.quantize != "none", s.optimizer != "adamw",
+            s.optimizer_states == "bf16")
+
+
 def best(cands: list[Candidate], within: float = NEAR_TIE, gpu_mem_gib: float | None = None,
          host_mem_gib: float | None = None) -> Candidate | None:
-    """The fastest fitting candidate; among those within `within` of the fastest, one with fp32
-    optimizer states where there is one, then one not within NEAR_BUDGET of a budget where there
-    is one, then the one that uses the least of the machine:
-    the smallest sum of the GPU's and the host's shares used when both sizes are given (so a
-    near-tie is not won by filling host RAM to spare GPU memory nothing needs), else the least GPU
-    memory (a larger micro-batch only helps up to a point, headroom always does).
+    """The fastest fitting candidate; among those within `within` of the fastest (the speed model
+    cannot tell them apart), the ones that change the training least (`changes`: all parameters
+    before LoRA, before quantized weights, before 8-bit Adam, before bf16 states), then one not
+    within NEAR_BUDGET of a budget where there is one, then the one that uses the least of the
+    machine: the smallest sum of the GPU's and the host's shares used when both sizes are given
+    (so a near-tie is not won by filling host RAM to spare GPU memory nothing needs), else the
+    least GPU memory (a larger micro-batch only helps up to a point, headroom always does).
     `why_chosen` says in words why the choice is not the fastest."""
     ok = [c for c in cands if c.fit.ok]
     if not ok:
         return None
     top = max(c.tokens_per_s for c in ok)
     near = [c for c in ok if c.tokens_per_s >= (1 - within) * top]
-    # bf16 states change numerics: only where nothing near as fast keeps fp32 (LoRA's few states
-    # save nothing worth it)
-    near = [c for c in near if c.setup.optimizer_states == "fp32"] or near
+    least = min(_fidelity(c) for c in near)
+    near = [c for c in near if _fidelity(c) == least]
     if gpu_mem_gib and host_mem_gib:
         roomy = [c for c in near if not near_budget(c, gpu_mem_gib, host_mem_gib)]
         near = roomy or near
@@ -285,18 +301,28 @@ def best(cands: list[Candidate], within: float = NEAR_TIE, gpu_mem_gib: float | 
 def why_chosen(choice: Candidate, cands: list[Candidate], gpu_mem_gib: float | None = None,
                host_mem_gib: float | None = None) -> str | None:
     """Why `choice` (best's answer) is not the fastest fitting candidate; None when it is."""
-    fastest = max((c for c in cands if c.fit.ok), key=lambda c: c.tokens_per_s)
+    ok = [c for c in cands if c.fit.ok]
+    fastest = max(ok, key=lambda c: c.tokens_per_s)
     if fastest.tokens_per_s <= choice.tokens_per_s:
         return None
-    gain = fastest.tokens_per_s / choice.tokens_per_s - 1
-    mem = (f"GPU {choice.est.gpu_nvml / GIB:.1f} + host {choice.est.host_rss / GIB:.1f} GiB against "
-           f"{fastest.est.gpu_nvml / GIB:.1f} + {fastest.est.host_rss / GIB:.1f} GiB")
-    why = (f"the fastest fitting candidate ({describe_placement(fastest)}, "
-           f"~{fastest.tokens_per_s:,.0f} tok/s) is {gain:.1%} faster, within the "
-           f"{NEAR_TIE:.0%} the speed model cannot tell apart; ")
-    if gpu_mem_gib and host_mem_gib and near_budget(fastest, gpu_mem_gib, host_mem_gib):
-        return why + "it is within 3 % of a budget, this one leaves room (" + mem + ")"
-    return why + "this one uses less of the machine (" + mem + ")"
+
+    def faster(c: Candidate) -> str:
+        return (f"{describe_placement(c)} (~{c.tokens_per_s:,.0f} tok/s) is "
+                f"{c.tokens_per_s / choice.tokens_per_s - 1:.1%} faster")
+
+    why = []
+    if _fidelity(fastest) != _fidelity(choice):
+        more = [x for x in changes(fastest.setup) if x not in changes(choice.setup)]
+        why.append(f"{faster(fastest)} but changes the training more ({', '.join(more)})")
+    peer = max((c for c in ok if _fidelity(c) == _fidelity(choice)), key=lambda c: c.tokens_per_s)
+    if peer.tokens_per_s > choice.tokens_per_s:
+        mem = (f"GPU {choice.est.gpu_nvml / GIB:.1f} + host {choice.est.host_rss / GIB:.1f} GiB "
+               f"against {peer.est.gpu_nvml / GIB:.1f} + {peer.est.host_rss / GIB:.1f} GiB")
+        tight = gpu_mem_gib and host_mem_gib and near_budget(peer, gpu_mem_gib, host_mem_gib)
+        why.append(f"{faster(peer)} but " + ("is within 3 % of a budget; this one leaves room ("
+                                               if tight else "this one uses less of the machine (")
+                   + mem + ")")
+    return "; ".join(why) + f". Within {NEAR_TIE:.0%} the speed model cannot tell them apart."
 
 
 def describe_placement(c: Candidate, tuning: bool = True) -> str:
