@@ -264,6 +264,7 @@ def test_max_context_knows_qlora(tmp_path, on, capsys):
     assert main("max-context", ["--params", str(p), "--gpu-mem", "24", "--host-mem", "60"]) == 0
     out = capsys.readouterr().out
     assert "QLoRA nf4 r=16" in out and "ZeRO-2" in out
+    assert "note: QLoRA (nf4, ZeRO-2): the quantized weights are bitsandbytes' own bytes" in out
     assert "weights: base linears in nf4 (bitsandbytes)" in out
     seq = int(re.search(r"longest context that fits: ([\d,]+) tokens", out).group(1).replace(",", ""))
     assert seq >= 65536                          # issue 31's bar for the 24 GiB QLoRA row

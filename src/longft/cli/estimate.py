@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from longft.estimate.estimator import GIB, describe, estimate, fits, format_table, setup_from_config
+from longft.estimate.format import unmeasured
 from longft.estimate.max_context import SEQ_STEP, _max_context_auto_tiled, candidates_for_confirmation, max_context
 from longft.estimate.placement import MODES, best, overlay, search, tokens_per_second
 from longft.hardware import TILED_MLP_FROM
@@ -120,7 +121,7 @@ def cmd_estimate(argv: list[str]) -> int:
     gpu_mem, host_mem = _sizes(a, hw)
     fit = fits(est, gpu_mem, host_mem, cfg.hardware.vram_limit_gib)
     print(f"longft estimate: {cfg.model.name} ({a.params})")
-    for n in notes:
+    for n in notes + unmeasured(est.setup):
         print(f"note: {n}")
     if gpu_mem is None:
         print("note: no GPU size to compare with; pass --gpu-mem")
@@ -182,7 +183,7 @@ def cmd_max_context(argv: list[str]) -> int:
                       a.iterations, a.work, a.out)
     print(f"longft max-context: {cfg.model.name}, micro-batch {base.micro_batch}, "
           f"{base.world_size} rank(s), GPU {gpu_mem:g} GiB, host {host_mem} GiB, search up to {top:,}")
-    for n in notes:
+    for n in notes + unmeasured(base):
         print(f"note: {n}")
     if best_seq == 0:
         e = estimate(arch, dataclasses.replace(base, seq_len=SEQ_STEP))

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from longft.estimate.estimator import GIB, describe, format_table
+from longft.estimate.format import unmeasured
 from longft.estimate.placement import (
     Candidate,
     Tuning,
@@ -187,9 +188,8 @@ def cmd_plan(argv: list[str]) -> int:
         print(f"not the fastest: {why}")
     for w in near_budget(choice, a.gpu_mem, a.host_mem):
         print(f"warning: {w}")
-    if choice.setup.quantize != "none":
-        print("note: QLoRA's speed is a model (dequantization traffic), unmeasured until a row "
-              "exists")
+    for n in unmeasured(choice.setup):
+        print(f"note: {n}")
     print(format_table(choice.est, choice.fit))
     write_overlay(a.out, overlay(choice, a.gpus, model_over, a.nvme_path), choice, a.gpu_mem,
                   a.host_mem)

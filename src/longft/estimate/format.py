@@ -71,6 +71,19 @@ def describe(s: Setup) -> str:
             + (f", optimizer {s.optimizer}" if s.optimizer != "adamw" else ""))
 
 
+def unmeasured(s: Setup) -> list[str]:
+    """Notes for the parts of a setup that no measured row has checked yet (QLoRA, 8-bit Adam)."""
+    out = []
+    if s.quantize != "none":
+        out.append(f"QLoRA ({s.quantize}, ZeRO-2): the quantized weights are bitsandbytes' own bytes; "
+                   "the dequantization transient, the host build and the speed are unmeasured")
+    if s.optimizer != "adamw":
+        out.append(f"{s.optimizer}: 8-bit Adam states at bitsandbytes' own bytes, unmeasured"
+                   + ("; paged states may spill to the host, counted on the GPU"
+                      if s.optimizer.startswith("paged") else ""))
+    return out
+
+
 def format_table(est: Estimate, fit: Fit | None = None) -> str:
     """The itemised table: GPU items (per rank) with the phases they live in, host items (per
     node), the totals per phase and the predicted torch/NVML/RSS peaks."""
