@@ -118,12 +118,10 @@ def _model_overlay(a, base_cfg, shipped: bool) -> tuple[dict | None, str | None]
                      f"({m.source}); leave out --model to plan the params' own model")
 
 
-def cmd_plan(argv: list[str]) -> int:
-    a = _parser().parse_args(argv)
-    from longft.cli.estimate import _architecture, _resolve
+def _config(a):
+    """(the Config to plan, the overlay's model section or None, a note about it or None): the
+    base params (or the defaults) at --seq and --gpus, with --model where it is another model."""
     from longft.config.params import from_dict, load
-    from longft.estimate.estimator import setup_from_config
-    from longft.hardware import detect
     from longft.model.loading import shipped_architectures
 
     has_params = Path(a.params).is_file()
@@ -131,15 +129,25 @@ def cmd_plan(argv: list[str]) -> int:
     shipped = a.model is not None and (a.model in shipped_architectures()
                                        or Path(a.model).suffix == ".json")
     model_over, model_note = _model_overlay(a, base_cfg, shipped)
-    if a.model is None and base_cfg is None:
-        print("longft plan: no --model and no params file to take it from", file=sys.stderr)
-        return 2
     if base_cfg is None:     # no params to keep a model from: the overlay names it
         model_over = {"name": a.model, **({"source": "random"} if shipped else {})}
     over = {"data": {"max_seq_length": a.seq}, "hardware": {"num_gpus": a.gpus},
             "train": {"micro_batch_size": 1, "global_batch_size": a.gpus},
             **({"model": model_over} if model_over else {})}
     cfg = load(a.params, over) if has_params else from_dict(over, a.params)
+    return cfg, model_over, model_note
+
+
+def cmd_plan(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    from longft.cli.estimate import _architecture, _resolve
+    from longft.estimate.estimator import setup_from_config
+    from longft.hardware import detect
+
+    if a.model is None and not Path(a.params).is_file():
+        print("longft plan: no --model and no params file to take it from", file=sys.stderr)
+        return 2
+    cfg, model_over, model_note = _config(a)
     try:
         allowed = tunings(cfg, a.lora, a.quantize, a.optimizer)
     except ValueError as e:
