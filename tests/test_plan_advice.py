@@ -268,3 +268,13 @@ def test_max_context_knows_qlora(tmp_path, on, capsys):
     assert "weights: base linears in nf4 (bitsandbytes)" in out
     seq = int(re.search(r"longest context that fits: ([\d,]+) tokens", out).group(1).replace(",", ""))
     assert seq >= 65536                          # issue 31's bar for the 24 GiB QLoRA row
+
+
+def test_plan_refuses_what_it_cannot_plan(tmp_path, monkeypatch, on, capsys):
+    monkeypatch.chdir(tmp_path)
+    on(CPU)
+    assert main("plan", ["--gpu-mem", "24", "--host-mem", "60", "--seq", "4096"]) == 2
+    assert "no --model and no params file" in capsys.readouterr().err
+    assert main("plan", ["--gpu-mem", "24", "--host-mem", "60", "--seq", "4096", "--model",
+                         "llama3.2-1b", "--quantize", "nf4"]) == 2
+    assert "add --lora RANK or --lora any" in capsys.readouterr().err
