@@ -103,11 +103,12 @@ def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
     assert 0 < kept.gpu_layers < 32 and kept.keep_attention > 0
     assert fits(estimate(arch, kept), 40, 174).ok
     for more in ({"gpu_layers": kept.gpu_layers + 1}, {"keep_attention": kept.keep_attention + 1}):
-        assert not fits(estimate(arch, dataclasses.replace(kept, **more)), 40, None).gpu_ok, more
+        # what is kept for speed leaves 3 % of the card free (placement.NEAR_BUDGET)
+        assert not fits(estimate(arch, dataclasses.replace(kept, **more)), 0.97 * 40, None).gpu_ok
     choice = best(search(arch, base, 40, 174, "NVIDIA H200", max_micro=2))
     assert choice is not None and choice.setup.checkpointing == "cpu_offload"
     assert choice.setup.gpu_layers > 0
-    ov = overlay("llama3.1-8b", choice, 1, shipped=True)
+    ov = overlay(choice, 1)
     assert ov["checkpointing"] == {"mode": "cpu_offload", "gpu_layers": choice.setup.gpu_layers,
                                    "keep_attention": choice.setup.keep_attention}
     assert ov["data"] == {"max_seq_length": 128000}  # packed rows need no mask: no pack: false
@@ -210,7 +211,7 @@ def test_near_ties_go_to_the_placement_using_less_of_the_machine():
     assert choice.offload == "none" and choice.est.host_rss < 40 * GIB
     # the overlay writes both knobs even where the plan keeps none: merged onto a params file that
     # sets them, the params' values must not survive
-    ov = overlay("llama3.1-8b", choice, 8, shipped=True)["checkpointing"]
+    ov = overlay(choice, 8)["checkpointing"]
     assert ov["gpu_layers"] == 0 and "keep_attention" in ov
     # without the machine's sizes the old rule (least GPU memory) takes an offloading one
     assert best(cands).offload != "none"

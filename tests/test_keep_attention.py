@@ -184,11 +184,12 @@ def test_planner_keeps_attention_before_checkpoints_and_ranks_it_faster():
     chosen = keep_on_gpu(LLAMA_8B, s, gpu_mem_gib=40, host_mem_gib=172)
     assert chosen.keep_attention > 0
     est = estimate(LLAMA_8B, chosen)
-    # it fits both, and one more kept layer of either kind would not fit the GPU
-    assert est.gpu_nvml <= 40 * 2**30 and est.host_rss <= 172 * 2**30
+    # it fits both, and one more kept layer of either kind would not fit the GPU less the 3 %
+    # headroom (placement.NEAR_BUDGET) that what is kept for speed leaves
+    assert est.gpu_nvml <= 0.97 * 40 * 2**30 and est.host_rss <= 172 * 2**30
     for more in ({"keep_attention": chosen.keep_attention + 1}, {"gpu_layers": chosen.gpu_layers + 1}):
         bigger = estimate(LLAMA_8B, Setup(**{**chosen.__dict__, **more}))
-        assert bigger.gpu_nvml > 40 * 2**30, more
+        assert bigger.gpu_nvml > 0.97 * 40 * 2**30, more
     # the host forces some checkpoints onto the GPU: fewer would not fit 172 GiB
     fewer = estimate(LLAMA_8B, Setup(**{**chosen.__dict__, "gpu_layers": chosen.gpu_layers - 8}))
     assert fewer.host_rss > 172 * 2**30

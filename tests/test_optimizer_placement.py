@@ -174,7 +174,7 @@ def test_plan_finds_8b_at_128k_on_one_h200_with_128_gib_of_ram_only_through_the_
                   host_mem_gib=110)
     assert choice is not None and choice.offload == "opt" and choice.setup.offload_ratio < 1
     assert choice.est.host_rss <= 110 * GIB and choice.est.gpu_nvml <= 128 * GIB
-    ov = overlay("llama3.1-8b", choice, 1, True)
+    ov = overlay(choice, 1, {"name": "llama3.1-8b", "source": "random"})
     assert ov["zero"]["offload_ratio"] == choice.setup.offload_ratio
     assert from_dict(ov).zero.offload_ratio == choice.setup.offload_ratio   # the overlay validates
 

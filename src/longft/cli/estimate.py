@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import sys
 from pathlib import Path
 
 from longft.estimate.estimator import GIB, describe, estimate, fits, format_table, setup_from_config
+from longft.estimate.format import unmeasured
 from longft.estimate.max_context import SEQ_STEP, _max_context_auto_tiled, candidates_for_confirmation, max_context
 from longft.estimate.placement import MODES, best, overlay, search, tokens_per_second
 from longft.hardware import TILED_MLP_FROM
@@ -121,7 +121,7 @@ def cmd_estimate(argv: list[str]) -> int:
     gpu_mem, host_mem = _sizes(a, hw)
     fit = fits(est, gpu_mem, host_mem, cfg.hardware.vram_limit_gib)
     print(f"longft estimate: {cfg.model.name} ({a.params})")
-    for n in notes:
+    for n in notes + unmeasured(est.setup):
         print(f"note: {n}")
     if gpu_mem is None:
         print("note: no GPU size to compare with; pass --gpu-mem")
@@ -130,109 +130,13 @@ def cmd_estimate(argv: list[str]) -> int:
 
 
 
-# ---------------------------------------------------------------- plan (the search: longft.estimate.placement)
+# ---------------------------------------------------------------- plan: longft.cli.plan
 
 
 def cmd_plan(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="longft plan",
-                                 description="Fastest placement that fits, as a params overlay.")
-    ap.add_argument("--gpu-mem", type=float, required=True, help="GiB of one GPU")
-    ap.add_argument("--host-mem", type=float, required=True, help="GiB of host RAM")
-    ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--model", required=True, help="a name in configs/models or a config path")
-    ap.add_argument("--seq", type=int, required=True)
-    ap.add_argument("--out", help="write the overlay YAML here")
-    ap.add_argument("--params", default="params.yaml",
-                    help="base params (precision, kernels, LoRA); defaults if the file is absent")
-    ap.add_argument("--max-micro", type=int, default=64)
-    ap.add_argument("--gpu-name", help="GPU model for the peak-FLOPS lookup of the speed ranking "
-                    "(default: the detected one)")
-    ap.add_argument("--optimizer-states", choices=("fp32", "bf16", "any"),
-                    help="optimizer-state precisions to search (default: the params' "
-                    "zero.optimizer_states; bf16 halves their bytes but changes numerics, so it is "
-                    "searched only when asked)")
-    ap.add_argument("--nvme-path", help="also search ZeRO-Infinity: optimizer states in files "
-                    "under this directory (its free space is the disk budget)")
-    a = ap.parse_args(argv)
-    import yaml
+    from longft.cli.plan import cmd_plan as plan
 
-    from longft.config.params import from_dict, load
-    from longft.hardware import detect
-    from longft.model.loading import shipped_architectures
-
-    # an architecture (shipped name or config.json) is a random-init run; anything else keeps the
-    # base params' model.source (a pretrained hub id or directory)
-    shipped = a.model in shipped_architectures() or Path(a.model).suffix == ".json"
-    over = {"model": {"name": a.model, **({"source": "random"} if shipped else {})},
-            "data": {"max_seq_length": a.seq}, "hardware": {"num_gpus": a.gpus},
-            "train": {"micro_batch_size": 1, "global_batch_size": a.gpus}}
-    cfg = load(a.params, over) if Path(a.params).is_file() else from_dict(over, a.params)
-    hw = detect()
-    arch = _architecture(cfg.model)
-    resolved, notes = _resolve(cfg, hw, arch["model_type"])
-    base = setup_from_config(cfg, resolved)
-    gpu_name = a.gpu_name or (hw.gpu_name if hw.device == "cuda" else None)
-    wanted = a.optimizer_states or cfg.zero.optimizer_states
-    states = ("fp32", "bf16") if wanted == "any" else (wanted,)
-    if "bf16" in states and base.precision != "bf16":
-        print(f"longft plan: bf16 optimizer states need precision bf16 (resolved {base.precision}); "
-              "searching fp32 states only", file=sys.stderr)
-        states = ("fp32",)
-    disk = None
-    if a.nvme_path:
-        from longft.hardware import nvme
-
-        bad = nvme.path_problems(a.nvme_path, 0)
-        if bad:
-            print("longft plan: " + "; ".join(bad), file=sys.stderr)
-            return 2
-        disk = shutil.disk_usage(a.nvme_path).free / GIB
-    cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro, MODES,
-                   share_grads=cfg.zero.host_grad_buffer != "full", states=states, disk_gib=disk)
-    print(f"longft plan: {a.model}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
-          f"host {a.host_mem:g} GiB")
-    for n in notes:
-        print(f"note: {n}")
-    ok = sorted((c for c in cands if c.fit.ok), key=lambda c: -c.tokens_per_s)
-    print(f"{len(ok)} fitting candidate(s); fastest per offload x checkpointing:")
-    seen = set()
-    for c in ok:
-        key = (c.offload, c.setup.offload_ratio, c.setup.optimizer_states, c.setup.checkpointing)
-        if key not in seen:
-            seen.add(key)
-            print(f"  offload {_offload_name(c):22s} checkpointing {c.setup.checkpointing:11s} "
-                  f"micro-batch {c.setup.micro_batch:3d}: ~{c.tokens_per_s:,.0f} tok/s, GPU "
-                  f"{c.est.gpu_nvml / GIB:.1f} GiB, host {c.est.host_rss / GIB:.1f} GiB")
-    choice = best(cands, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem)
-    if choice is None:
-        closest = min(cands, key=lambda c: c.overshoot(a.gpu_mem, a.host_mem))
-        print(f"\nnothing fits. Closest: offload {closest.offload}, checkpointing "
-              f"{closest.setup.checkpointing}, micro-batch 1:")
-        print(format_table(closest.est, closest.fit))
-        return 1
-    print(f"\nchosen: offload {_offload_name(choice)}, checkpointing {choice.setup.checkpointing}, "
-          f"micro-batch {choice.setup.micro_batch} (~{choice.tokens_per_s:,.0f} tok/s predicted)")
-    print(format_table(choice.est, choice.fit))
-    ov = overlay(a.model, choice, a.gpus, shipped, a.nvme_path)
-    if a.out:
-        from longft.atomic import write_text
-
-        head = (f"# longft plan: {describe(choice.setup)}\n"
-                f"# predicted: VRAM {choice.est.gpu_allocated / GIB:.2f} GiB allocated, "
-                f"{choice.est.gpu_nvml / GIB:.2f} GiB NVML; host {choice.est.host_rss / GIB:.2f} GiB; "
-                f"~{choice.tokens_per_s:,.0f} tok/s\n")
-        write_text(Path(a.out), head + yaml.safe_dump(ov, sort_keys=False))
-        print(f"\nwrote {a.out}")
-    else:
-        print("\n" + yaml.safe_dump(ov, sort_keys=False))
-    return 0
-
-
-def _offload_name(c) -> str:
-    """The placement as the plan prints it: opt(ratio 0.5), bf16 states marked."""
-    s = c.setup
-    name = c.offload + (f"(ratio {s.offload_ratio:g})" if s.offload_ratio < 1 else "")
-    return name + (" bf16-states" if s.optimizer_states == "bf16" else "")
+    return plan(argv)
 
 
 def cmd_max_context(argv: list[str]) -> int:
@@ -279,7 +183,7 @@ def cmd_max_context(argv: list[str]) -> int:
                       a.iterations, a.work, a.out)
     print(f"longft max-context: {cfg.model.name}, micro-batch {base.micro_batch}, "
           f"{base.world_size} rank(s), GPU {gpu_mem:g} GiB, host {host_mem} GiB, search up to {top:,}")
-    for n in notes:
+    for n in notes + unmeasured(base):
         print(f"note: {n}")
     if best_seq == 0:
         e = estimate(arch, dataclasses.replace(base, seq_len=SEQ_STEP))

@@ -5,8 +5,10 @@ bucket sizes, and the derived sizes (`Numbers`) that the GPU and host item build
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from longft.estimate.quantized import QUANTIZED_LINEARS, quantized_weight_bytes
 from longft.estimate.types import DS_SUB_GROUP_SIZE, Setup
 from longft.model.architecture import attention_dims
 
@@ -63,6 +65,14 @@ def trainable_numels(arch: dict, s: Setup) -> list[int]:
             if name in s.lora_targets:
                 out += [s.lora_rank * i, o * s.lora_rank]
     return out
+
+
+def quantized_linears(arch: dict, s: Setup) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every decoder linear QLoRA quantizes (none without it)."""
+    if s.quantize == "none":
+        return []
+    shapes = [io for name, io in _linear_shapes(dims(arch)).items() if name in QUANTIZED_LINEARS]
+    return shapes * dims(arch)["L"]
 
 
 def sub_groups(numels: list[int], size: int = DS_SUB_GROUP_SIZE) -> list[int]:
@@ -123,7 +133,11 @@ class Numbers:
     ms: int              # bytes of a master weight, its gradient and each Adam moment (4, bf16: 2)
     layer: int           # parameters of one decoder layer
     biggest: int         # largest parameter of a decoder layer
-    largest: int         # largest parameter of the model (the embedding)
+    largest: int         # largest trainable parameter (the embedding; LoRA: an adapter matrix)
+    adapters: int        # LoRA adapter parameters (0 without LoRA)
+    Pq: int              # base parameters held quantized (QLoRA; else 0)
+    quant_bytes: int     # their bytes in bitsandbytes' blocks (quantized.py)
+    biggest_q: int       # the largest quantized weight (numel): one is dequantized at a time
 
 
 def share(n: int, world: int) -> int:
@@ -133,17 +147,50 @@ def share(n: int, world: int) -> int:
 
 def numbers(arch: dict, s: Setup) -> Numbers:
     """The derived sizes of `s` on `arch`."""
-    a, N = dims(arch), s.world_size
+    sizes = _sizes(_arch_key(arch), s.world_size, s.lora_rank, s.lora_targets, s.quantize,
+                   s.sub_group_size)
+    on_gpu, on_host = optimizer_split(s, list(sizes["groups"]))
+    return Numbers(
+        w=4 if s.precision == "fp32" else 2, T=s.local_tokens,
+        knobs=dict(_zero_knobs(s.zero_stage, s.overlap_comm, s.offload_optimizer, s.offload_param,
+                          s.reduce_bucket_size, s.prefetch_bucket_size,
+                          s.param_persistence_threshold, s.max_live_parameters, sizes["a"]["h"])),
+        gpu_groups=on_gpu, host_groups=on_host, ms=2 if s.optimizer_states == "bf16" else 4,
+        **{k: list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, dict) else v
+           for k, v in sizes.items()})
+
+
+def _arch_key(arch: dict) -> tuple:
+    """The scalar entries of an architecture dict, hashable (what dims() and the counts read)."""
+    return tuple(sorted((k, v) for k, v in arch.items()
+                        if v is None or isinstance(v, (bool, int, float, str))))
+
+
+@functools.lru_cache(maxsize=512)
+def _sizes(key: tuple, N: int, lora_rank: int, targets: tuple, quantize: str,
+           sub_group_size: int) -> dict:
+    """numbers()'s parameter counts, which the search asks for many times over (cached)."""
+    arch = dict(key)
+    s = Setup(1, 1, world_size=N, lora_rank=lora_rank, lora_targets=targets, quantize=quantize,
+              sub_group_size=sub_group_size)
     params, trainable = param_numels(arch), trainable_numels(arch, s)
     per_layer = layer_params(arch)
-    groups = sub_groups([share(n, N) for n in trainable], s.sub_group_size) if trainable else [0]
-    on_gpu, on_host = optimizer_split(s, groups)
-    return Numbers(
-        a=a, w=4 if s.precision == "fp32" else 2, T=s.local_tokens,
-        knobs=zero_knobs(s, a["h"]), params=params, trainable=trainable,
+    groups = sub_groups([share(n, N) for n in trainable], sub_group_size) if trainable else [0]
+    quant = quantized_linears(arch, s)
+    return dict(
+        a=dims(arch), params=tuple(params), trainable=tuple(trainable),
         P=sum(n for _, n in params), P_r=sum(share(n, N) for _, n in params),
-        Pt_r=sum(share(n, N) for n in trainable),
-        groups=groups, gpu_groups=on_gpu, host_groups=on_host,
-        ms=2 if s.optimizer_states == "bf16" else 4,
+        Pt_r=sum(share(n, N) for n in trainable), groups=tuple(groups),
         layer=sum(n for _, n in per_layer), biggest=max(n for _, n in per_layer),
-        largest=max(n for _, n in params))
+        largest=max(trainable, default=0), adapters=sum(trainable) if lora_rank > 0 else 0,
+        Pq=sum(i * o for i, o in quant),
+        quant_bytes=sum(quantized_weight_bytes(quantize, i, o) for i, o in quant),
+        biggest_q=max((i * o for i, o in quant), default=0))
+
+
+@functools.lru_cache(maxsize=512)
+def _zero_knobs(stage, overlap, off_opt, off_param, reduce, prefetch, persist, live, h) -> dict:
+    return zero_knobs(Setup(1, 1, zero_stage=stage, overlap_comm=overlap, offload_optimizer=off_opt,
+                            offload_param=off_param, reduce_bucket_size=reduce,
+                            prefetch_bucket_size=prefetch, param_persistence_threshold=persist,
+                            max_live_parameters=live), h)

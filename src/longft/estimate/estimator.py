@@ -33,6 +33,7 @@ from longft.estimate.arch import numbers, param_numels, sub_groups, zero_knobs
 from longft.estimate.format import describe, format_table, gib, to_dict
 from longft.estimate.gpu import gpu_activation_items, gpu_state_items, layer_activation_bytes, reuse_layers
 from longft.estimate.host import disk_items, host_items, host_peak, pinned, pinned_pool
+from longft.estimate.quantized import qlora_zero_stage
 from longft.estimate.types import (
     CUDA_CONTEXT_BYTES,
     GIB,
@@ -109,7 +110,8 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         tiled_mlp=r.tiled_mlp.value,
         tile_tokens=cfg.kernels.tiled_mlp_tokens,
         expandable_segments=cfg.hardware.expandable_segments,
-        zero_stage=cfg.zero.stage, offload_optimizer=cfg.zero.offload_optimizer != "none",
+        zero_stage=qlora_zero_stage(cfg.zero.stage, cfg.lora.rank, cfg.lora.quantize),
+        offload_optimizer=cfg.zero.offload_optimizer != "none",
         nvme=cfg.zero.offload_optimizer == "nvme", offload_ratio=cfg.zero.offload_ratio,
         optimizer_states=cfg.zero.optimizer_states, sub_group_size=cfg.zero.sub_group_size,
         reduce_bucket_size=cfg.zero.reduce_bucket_size, prefetch_bucket_size=cfg.zero.prefetch_bucket_size,
@@ -122,6 +124,7 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         block_mask=r.packed_attention.value == "mask" and cfg.data.pack and cfg.data.source != "random",
         flash_attn_4=r.packed_attention.value == "flash_attn_4",
         lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.target_modules),
+        quantize=cfg.lora.quantize if cfg.lora.rank > 0 else "none", optimizer=cfg.optim.name,
         sequence_parallel=cfg.hardware.sequence_parallel)
 
 

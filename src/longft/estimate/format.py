@@ -66,7 +66,22 @@ def describe(s: Setup) -> str:
     return (f"seq {s.seq_len:,} x micro-batch {s.micro_batch}, {s.world_size} rank(s){sp}{where}, "
             f"{s.precision}, {attn}, Liger {'on' if s.liger else 'off'}, checkpointing "
             f"{s.checkpointing}, ZeRO-{s.zero_stage} offload {off}"
-            + (f", LoRA r={s.lora_rank}" if s.lora_rank else ""))
+            + (f", {'QLoRA ' + s.quantize if s.quantize != 'none' else 'LoRA'} r={s.lora_rank}"
+               if s.lora_rank else "")
+            + (f", optimizer {s.optimizer}" if s.optimizer != "adamw" else ""))
+
+
+def unmeasured(s: Setup) -> list[str]:
+    """Notes for the parts of a setup that no measured row has checked yet (QLoRA, 8-bit Adam)."""
+    out = []
+    if s.quantize != "none":
+        out.append(f"QLoRA ({s.quantize}, ZeRO-2): the quantized weights are bitsandbytes' own bytes; "
+                   "the dequantization transient, the host build and the speed are unmeasured")
+    if s.optimizer != "adamw":
+        out.append(f"{s.optimizer}: 8-bit Adam states at bitsandbytes' own bytes, unmeasured"
+                   + ("; paged states may spill to the host, counted on the GPU"
+                      if s.optimizer.startswith("paged") else ""))
+    return out
 
 
 def format_table(est: Estimate, fit: Fit | None = None) -> str:

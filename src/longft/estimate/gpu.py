@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from longft.estimate.arch import Numbers, dims, layer_params
+from longft.estimate.quantized import adam8_state_bytes, dequant_workspace_bytes
 from longft.estimate.types import LOSS_CHUNK_MEM, PHASES, Item, Setup
 from longft.model.tiled_mlp import tiles
 
@@ -57,9 +58,26 @@ def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
     attn_alive = norms // 2 + qk + v + attn_out + small + probs + x * Hd + x * h  # + d_out, d_h1
     attn_tmp = x * Hd + 4 * Hd + 2 * x * kvd + (2 * x * Hd if kv != H else 0) + probs
     peak_attn = attn_alive + a2a["saved"] + attn_tmp + a2a["buffers"]
-    recompute = saved + 2 * x * h                            # end of recompute: down out + layer out
+    # end of recompute: down out + layer out; LLM.int8 linears hold their int8 / int32 products then
+    recompute = saved + max(2 * x * h, int8_forward_bytes(arch, s))
     return {"saved": saved, "peak": max(peak_mlp, peak_attn, recompute),
             "mlp_peak": peak_mlp, "attn_peak": peak_attn}
+
+
+def int8_forward_bytes(arch: dict, s: Setup) -> int:
+    """Bytes per token that an LLM.int8 linear's forward (and recompute) holds besides its input
+    and output: the input in int8 and the product as int32 and as fp16 before the cast to the
+    training dtype (in + 4 out + 2 out), for the largest linear; the MLP's over one tile when the
+    tiled MLP tiles. 0 unless quantize is int8."""
+    if s.quantize != "int8":
+        return 0
+    a = dims(arch)
+    h, I, Hd = a["h"], a["I"], a["H"] * a["d"]
+    attn = max(h + 6 * Hd, Hd + 6 * h)                       # q (k, v are narrower), o
+    mlp = max(h + 6 * I, I + 6 * h)                          # gate / up, down
+    if s.tiled_mlp and tiles(s.local_tokens, s.tile_tokens) > 1:
+        mlp = int(mlp * s.tile_tokens / s.local_tokens)
+    return max(attn, mlp)
 
 
 def ulysses_bytes(arch: dict, s: Setup) -> dict[str, int]:
@@ -109,6 +127,9 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
     if z3:
         if not s.offload_param:
             gpu("weights: partitions", w * n.P_r, ALL, f"{w} B x {n.P:,} params / {N} ranks")
+            if n.adapters:
+                gpu("weights: LoRA adapters (partitions)", w * n.Pt_r, ALL,
+                    f"{w} B x {n.adapters:,} adapter params / {N} ranks")
         if s.offload_param or N > 1:            # a world of one without offload gathers nothing
             kept = reuse_layers(arch, s, k)
             thr = k["stage3_param_persistence_threshold"]
@@ -124,7 +145,7 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
                 f"{w} B x {'0.9 h^2' if s.prefetch_bucket_size is None else 'zero.prefetch_bucket_size'}"
                 f" = {k['stage3_prefetch_bucket_size']:,} elements")
     else:
-        gpu("weights: full copy (ZeRO-2)", w * n.P, ALL, f"{w} B x {n.P:,} params on every rank")
+        out.extend(zero2_weight_items(s, n))
     ms = n.ms
     kind = "bf16" if ms == 2 else "fp32"
     if not s.offload_optimizer:
@@ -132,8 +153,11 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         master = 0 if w == 4 or ms == w else 4
         gpu("gradients: partitions", w * n.Pt_r, ALL,
             f"{w} B x {sum(n.trainable):,} trainable / {N}")
-        gpu(f"optimizer: {kind} master + Adam m, v", (master + 2 * ms) * n.Pt_r, ALL,
-            f"({master} + {ms} + {ms}) B x {n.Pt_r:,} trainable per rank")
+        if s.optimizer == "adamw":
+            gpu(f"optimizer: {kind} master + Adam m, v", (master + 2 * ms) * n.Pt_r, ALL,
+                f"({master} + {ms} + {ms}) B x {n.Pt_r:,} trainable per rank")
+        else:
+            out.extend(adam8_items(s, n, master, kind))
         g = max(n.groups) if z3 else n.Pt_r
         extra = w if w != ms else 0
         gpu(f"step: {kind} gradient of the largest sub-group", (ms + extra) * g, ("step",),
@@ -153,6 +177,46 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
     gpu("gradients: reduce bucket + one in flight",
         w * (bufs * k["reduce_bucket_size"] + n.biggest), ("backward",),
         f"{w} B x ({bufs} x reduce_bucket {k['reduce_bucket_size']:,} + largest layer param {n.biggest:,})")
+    return out
+
+
+def zero2_weight_items(s: Setup, n: Numbers) -> list[Item]:
+    """ZeRO-2: every rank holds the whole model; with QLoRA the targeted decoder linears in
+    bitsandbytes' blocks (and one dequantized at a time), the rest in the training dtype."""
+    w, out = n.w, []
+    if n.Pq:
+        q = s.quantize
+        per = "(1/2 + 1/64 + 4/(64 x 256)) B" if q == "nf4" else "(1 B + 4 B per output row)"
+        out.append(Item(f"weights: base linears in {q} (bitsandbytes)", "gpu", n.quant_bytes, ALL,
+                        f"{n.Pq:,} params x {per}, plus constants"))
+        out.append(Item("weights: embeddings, lm_head, norms (ZeRO-2)", "gpu", w * (n.P - n.Pq), ALL,
+                        f"{w} B x {n.P - n.Pq:,} params not quantized"))
+        out.append(Item("dequantized weight of one linear (transient)", "gpu",
+                        dequant_workspace_bytes(q, n.biggest_q, w), ("backward",),
+                        f"{w} B x largest quantized weight {n.biggest_q:,}"
+                        + (" + fp32 absmax" if q == "nf4" else "")))
+    else:
+        out.append(Item("weights: full copy (ZeRO-2)", "gpu", w * n.P, ALL,
+                        f"{w} B x {n.P:,} params on every rank"))
+    if n.adapters:
+        out.append(Item("weights: LoRA adapters", "gpu", w * n.adapters, ALL,
+                        f"{w} B x {n.adapters:,} adapter params on every rank"))
+    return out
+
+
+def adam8_items(s: Setup, n: Numbers, master: int, kind: str) -> list[Item]:
+    """bitsandbytes' 8-bit AdamW on the GPU: DeepSpeed's master weights as usual, Adam's m and v in
+    8-bit blocks over each tensor the optimizer steps (ZeRO-3: the sub-groups; ZeRO-2: the rank's
+    flat partition). Paged states may spill to the host under pressure; they are counted here."""
+    tensors = n.groups if s.zero_stage == 3 else [n.Pt_r]
+    out = []
+    if master:
+        out.append(Item(f"optimizer: {kind} master", "gpu", master * n.Pt_r, ALL,
+                        f"{master} B x {n.Pt_r:,} trainable per rank"))
+    paged = " (paged: counted on the GPU)" if s.optimizer.startswith("paged") else ""
+    out.append(Item("optimizer: Adam m, v in 8-bit blocks" + paged, "gpu",
+                    sum(adam8_state_bytes(t) for t in tensors), ALL,
+                    f"(2 B + 2 x 4 B per 256) x {n.Pt_r:,} trainable per rank"))
     return out
 
 

@@ -98,6 +98,10 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         out.append(Item("start-up peak above the baseline", "host", setup - out[0].bytes,
                         ("setup",), f"launcher {SETUP_LAUNCHER_BYTES / GIB:.2f} GiB + {R} rank(s) x "
                         f"{SETUP_RANK_BYTES / GIB:.2f} GiB at start-up, less the baseline"))
+    if cuda and not z3:    # no zero.Init: the model is built on the host, then moved (engine/build.py)
+        out.append(Item("start-up: the model built on the host (ZeRO-2)", "host", R * w * n.P,
+                        ("setup",), f"{R} rank(s) x {w} B x {n.P:,} params before they move to the GPU"
+                        + (" and are quantized (assumed; unmeasured)" if n.Pq else "")))
     events: list[tuple[str, str, int]] = []
     names: dict[str, str] = {}
 

@@ -1,87 +1,40 @@
-"""Placement search for `longft plan`: every ZeRO-3 offload x checkpointing x micro-batch that
-fits (with checkpointing, the GPU memory left filled by `keep_on_gpu`: attention outputs kept,
-`checkpointing.keep_attention`, then checkpoints kept, `checkpointing.gpu_layers`), ranked by a
-speed heuristic, and the params overlay of the chosen one.
+"""Placement search for `longft plan`: what trains (`Tuning`: all parameters, LoRA, QLoRA, 8-bit
+Adam) x offload x checkpointing x micro-batch, every candidate that fits (with checkpointing, the
+GPU memory left filled by `keep_on_gpu`: attention outputs kept, `checkpointing.keep_attention`,
+then checkpoints kept, `checkpointing.gpu_layers`), ranked by the speed heuristic (`speed`), the
+choice among near-ties with its reason, and the params overlay of the chosen one.
 
     from longft.estimate.placement import best, search
     choice = best(search(arch, base_setup, gpu_mem_gib=80, host_mem_gib=256, gpu_name=None))
 
-The command itself (arguments, output, the overlay file) is estimate_cli.cmd_plan; the heuristic's
-constants and formula are in docs/estimator.md.
+The command itself (arguments, output, the overlay file) is cli/plan.py; what fits when nothing
+does is advice.py; the heuristic's constants and formula are in docs/estimator.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from longft.estimate.arch import trainable_numels
-from longft.estimate.estimator import GIB, Estimate, Fit, Setup, estimate, fits, param_numels
+from longft.estimate.estimator import GIB, Estimate, Fit, Setup, estimate, fits
+from longft.estimate.speed import (  # noqa: F401 - re-exported: the plan's speed heuristic
+    DEQUANT_BYTES_PER_S,
+    dequant_seconds,
+    optimizer_seconds,
+    step_seconds,
+    tokens_per_second,
+)
 from longft.hardware.policy import why_not_shared_grad_buffer as why_not
 from longft.model.attention import fused_kernel
-from longft.model.tiled_mlp import skips_recompute, tiles
 
-# ---------------------------------------------------------------- speed heuristic (plan ranking)
-ACHIEVED_FRACTION = 0.5
-"""Fraction of the dense peak that matmuls reach, recompute included (H200 rows: 0.39 MFU x 4/3)."""
-UNKNOWN_PEAK_FLOPS = 312e12
-"""Dense bf16 peak assumed when the GPU is not in flops.PEAK_TFLOPS (an A100)."""
-MICRO_OVERHEAD_TOKENS = 2048
-"""Fixed cost of one micro-step (launches, hooks, syncs) in token-equivalents of compute."""
-HOST_LINK_BYTES_PER_S = 20e9
-"""Effective PCIe bandwidth for parameter fetches, gradient and checkpoint copies."""
-EXPOSED_FRACTION = 0.5
-"""Share of host<->GPU copy time not hidden behind compute."""
-CPU_ADAM_PARAMS_PER_S = 2.2e9
-"""DeepSpeedCPUAdam speed (H200 row b: 1.24e9 parameters in 0.55 s on 16 cores)."""
-GPU_ADAM_BYTES_PER_S = 1.5e12
-"""Fused Adam on the GPU: 16 B read+written per parameter at about this rate."""
-NVME_BYTES_PER_S = 2e9
-"""offload_optimizer nvme: read + write bandwidth assumed for the state files (a PCIe 4 NVMe drive;
-DeepSpeed's aio reaches about this per drive)."""
+NEAR_BUDGET = 0.03
+"""A candidate within this share of the GPU or host budget gets a warning (the estimator is good
+to a few per cent on measured rows, and uncalibrated paths are less sure), and loses near-ties.
+What keep_on_gpu keeps on the GPU only for speed stops this far below the card."""
+NEAR_TIE = 0.02
+"""Candidates within this share of the fastest count as equally fast (the speed model ranks; its
+absolute numbers are low by 8-14 %)."""
 RATIO_STEPS = 16
 """At most this many offload_ratio values per placement in the search (evenly over the sub-groups)."""
-
-
-def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
-    """Predicted seconds of one optimizer step (grad_accum micro-steps) on one rank."""
-    from longft.estimate.flops import attention_flops, flops_per_token, peak_flops
-
-    T = s.local_tokens  # sequence parallel: N micro-steps of seq / N tokens for each row
-    w = 4 if s.precision == "fp32" else 2
-    P_r = sum(n for _, n in param_numels(arch)) / s.world_size
-    peak = peak_flops(gpu_name, s.precision) or UNKNOWN_PEAK_FLOPS
-    recompute = 1.0 if s.checkpointing == "none" else 4 / 3
-    lora = sum(trainable_numels(arch, s)) if s.lora_rank else None  # no frozen weights' gradients
-    micro = T * flops_per_token(arch, s.seq_len, lora_params=lora) * recompute / (ACHIEVED_FRACTION * peak)
-    micro *= 1 + MICRO_OVERHEAD_TOKENS / T
-    skipped = skips_recompute(s.checkpointing, arch.get("model_type"))
-    if s.checkpointing != "none" and s.keep_attention:  # their attention forward runs once
-        kept = min(s.keep_attention, arch["num_hidden_layers"])
-        micro -= T * attention_flops(arch, s.seq_len) * kept / (ACHIEVED_FRACTION * peak)
-    if s.tiled_mlp and tiles(T, s.tile_tokens) > 1 and not skipped:  # one more MLP forward
-        mlp = 2 * 3 * arch["hidden_size"] * arch["intermediate_size"] * arch["num_hidden_layers"]
-        micro += T * mlp / (ACHIEVED_FRACTION * peak)
-    if s.offload_param:      # fetch every layer for forward, recompute and backward
-        micro += EXPOSED_FRACTION * 3 * w * P_r / HOST_LINK_BYTES_PER_S
-    if s.checkpointing == "cpu_offload":
-        moved = max(0, arch["num_hidden_layers"] - s.gpu_layers)
-        micro += EXPOSED_FRACTION * 2 * moved * T * arch["hidden_size"] * w / HOST_LINK_BYTES_PER_S
-    return s.grad_accum * s.sequence_parallel * micro + optimizer_seconds(arch, s)
-
-
-def optimizer_seconds(arch: dict, s: Setup) -> float:
-    """Predicted seconds of the optimizer step: CPU Adam over the host's sub-groups (plus copying
-    their weights back, and with NVMe reading and writing their states), GPU Adam over the rest."""
-    from longft.estimate.arch import numbers
-
-    n = numbers(arch, s)
-    on_gpu, on_host = sum(n.gpu_groups), sum(n.host_groups)
-    t = 4 * n.ms * on_gpu / GPU_ADAM_BYTES_PER_S
-    if on_host:
-        t += on_host / CPU_ADAM_PARAMS_PER_S + n.w * on_host / HOST_LINK_BYTES_PER_S
-        if s.nvme:
-            t += 2 * 4 * n.ms * on_host / NVME_BYTES_PER_S
-    return t
 
 
 def offload_ratios(arch: dict, s: Setup) -> list[float]:
@@ -108,11 +61,6 @@ def ratio_for(k: int, groups: int) -> float:
             if lo < r <= 1 and int((1 - r) * groups) == k:
                 return r
     return (groups - k - 0.5) / groups
-
-
-def tokens_per_second(arch: dict, s: Setup, gpu_name: str | None) -> float:
-    """Predicted tokens/s of the whole job (all ranks)."""
-    return s.world_size * s.grad_accum * s.micro_batch * s.seq_len / step_seconds(arch, s, gpu_name)
 
 
 # ---------------------------------------------------------------- search
@@ -153,23 +101,35 @@ def _largest(ok, lo: int, hi: int) -> int:
     return lo
 
 
-def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | None = None) -> Setup:
+def fewest_kept(arch: dict, s: Setup, host_mem_gib: float | None) -> int:
+    """With cpu_offload, the fewest decoder layers' checkpoints kept on the GPU (gpu_layers) for
+    the host RAM to fit (all of them when it never does); 0 otherwise."""
+    if s.checkpointing != "cpu_offload" or host_mem_gib is None:
+        return 0
+    L = arch["num_hidden_layers"]
+
+    def host_over(n: int) -> bool:   # host RAM falls as layers stay on the GPU
+        return not fits(estimate(arch, dataclasses.replace(s, gpu_layers=n, keep_attention=0)),
+                        None, host_mem_gib).host_ok
+    return min(_largest(host_over, 0, L) + 1, L)
+
+
+def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | None = None,
+                headroom: float = NEAR_BUDGET) -> Setup:
     """What to keep on the GPU with checkpointing, in the order of the time it saves per GiB:
     first the attention outputs of as many layers as fit (`keep_attention`: each skips an attention
     forward), with cpu_offload while keeping just enough checkpoints on the GPU for the host to fit;
     then, with cpu_offload, as many more layers' checkpoints as still fit (`gpu_layers`: each saves
-    two copies and its host RAM)."""
+    two copies and its host RAM). What is kept only for speed stops `headroom` below the card:
+    each is worth a few per cent of speed, and a plan filled to the last GiB is one estimate error
+    from running out of memory."""
     L = arch["num_hidden_layers"]
+    room = gpu_mem_gib * (1 - headroom)
 
     def gpu_ok(**kw) -> bool:
-        return bool(fits(estimate(arch, dataclasses.replace(s, **kw)), gpu_mem_gib, None).gpu_ok)
+        return bool(fits(estimate(arch, dataclasses.replace(s, **kw)), room, None).gpu_ok)
 
-    g = 0
-    if s.checkpointing == "cpu_offload" and host_mem_gib is not None:
-        def host_over(n: int) -> bool:   # host RAM falls as layers stay on the GPU
-            return not fits(estimate(arch, dataclasses.replace(s, gpu_layers=n, keep_attention=0)),
-                            None, host_mem_gib).host_ok
-        g = min(_largest(host_over, 0, L) + 1, L)   # the fewest kept that the host needs
+    g = fewest_kept(arch, s, host_mem_gib)
     k = 0
     # flash-attn-4's kernels are not torch ops: keep_attention cannot keep them (hardware/packed_policy.py)
     if (s.checkpointing in ("gpu", "cpu_offload") and fused_kernel(s.attention, s.sdpa_backend)
@@ -180,72 +140,215 @@ def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | 
     return dataclasses.replace(s, gpu_layers=g, keep_attention=k)
 
 
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """What trains: all parameters (lora_rank 0), LoRA adapters, or LoRA on quantized base weights
+    (QLoRA: quantize nf4 / int8, on ZeRO-2), and the optimizer (adamw, or bitsandbytes' 8-bit
+    AdamW with its states on the GPU)."""
+    lora_rank: int = 0
+    quantize: str = "none"
+    optimizer: str = "adamw"
+
+    @classmethod
+    def of(cls, s: Setup) -> Tuning:
+        return cls(s.lora_rank, s.quantize if s.lora_rank else "none", s.optimizer)
+
+    @property
+    def name(self) -> str:
+        kind = ("full-parameter" if not self.lora_rank else f"LoRA r={self.lora_rank}"
+                if self.quantize == "none" else f"QLoRA {self.quantize} r={self.lora_rank}")
+        return kind + ("" if self.optimizer == "adamw" else f", {self.optimizer}")
+
+    def apply(self, s: Setup) -> Setup:
+        """`s` training this way (ZeRO-2 for QLoRA; LoRA on the seven decoder linears where `s`
+        names no targets)."""
+        from longft.estimate.quantized import QUANTIZED_LINEARS, qlora_zero_stage
+
+        targets = s.lora_targets or (QUANTIZED_LINEARS if self.lora_rank else ())
+        return dataclasses.replace(
+            s, lora_rank=self.lora_rank, quantize=self.quantize, optimizer=self.optimizer,
+            lora_targets=targets, zero_stage=qlora_zero_stage(3, self.lora_rank, self.quantize))
+
+
+def placements(t: Tuning, disk_gib: float | None) -> list[str]:
+    """The OFFLOADS a tuning can use: QLoRA runs on ZeRO-2 (no parameter offload, no NVMe, no
+    offload_ratio); 8-bit optimizer states live on the GPU (no optimizer offload)."""
+    names = [k for k in OFFLOADS if k != "opt(nvme)" or disk_gib is not None]
+    if t.quantize != "none":
+        names = [k for k in names if k in ("none", "opt")]
+    if t.optimizer != "adamw":
+        names = ["none"]
+    return names
+
+
 def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu_name: str | None,
            max_micro: int = 64, modes: tuple[str, ...] = MODES,
            share_grads: bool = True, states: tuple[str, ...] = ("fp32",),
-           disk_gib: float | None = None) -> list[Candidate]:
-    """Every ZeRO-3 candidate (offload x offload_ratio x optimizer states x checkpointing x
-    micro-batch 1..max_micro) that fits, and for each offload x ratio x states x mode that fits at
-    no micro-batch its micro-batch-1 candidate (not fitting). Memory grows with the micro-batch, so
-    each scan stops at the first that does not fit. `states`: the optimizer-state precisions the
-    params allow (bf16 changes numerics: only when asked). `disk_gib`: free space under an NVMe
-    path; None leaves NVMe out. Candidates have one micro-step per step: with the optimizer on
-    the CPU they share the host gradient buffer (zero.host_grad_buffer) unless `share_grads` is
-    off or the precision is fp16."""
+           disk_gib: float | None = None, tunings: tuple[Tuning, ...] | None = None,
+           offloads: tuple[str, ...] | None = None) -> list[Candidate]:
+    """Every candidate (tuning x offload x offload_ratio x optimizer states x checkpointing x
+    micro-batch 1..max_micro) that fits, and for each tuning x offload x ratio x states x mode that
+    fits at no micro-batch its micro-batch-1 candidate (not fitting). Memory grows with the
+    micro-batch, so each scan stops at the first that does not fit. `tunings`: what may train
+    (default: as `base` says); QLoRA candidates run on ZeRO-2, the others on ZeRO-3. `states`: the
+    optimizer-state precisions the params allow (bf16 changes numerics: only when asked).
+    `disk_gib`: free space under an NVMe path; None leaves NVMe out. `offloads`: a subset of
+    OFFLOADS to try. Candidates have one micro-step per step: with the optimizer on the CPU under
+    ZeRO-3 they share the host gradient buffer (zero.host_grad_buffer) unless `share_grads` is off
+    or the precision is fp16."""
     out = []
-    for off, (opt, param) in OFFLOADS.items():
-        nvme = off == "opt(nvme)"
-        if nvme and disk_gib is None:
-            continue
-        shared = share_grads and not why_not(3, "nvme" if nvme else opt, 1, base.precision)
-        for st in states:
-            first = dataclasses.replace(base, zero_stage=3, offload_optimizer=opt, offload_param=param,
-                                        nvme=nvme, optimizer_states=st, offload_ratio=1.0)
-            ratios = offload_ratios(arch, first) if off == "opt" else [1.0]
-            for ratio in ratios:
-                for mode in modes:
-                    for m in range(1, max_micro + 1):
-                        s = dataclasses.replace(first, micro_batch=m, checkpointing=mode,
-                                                offload_ratio=ratio, grad_accum=1,
-                                                gpu_layers=0, keep_attention=0,
-                                                host_grad_buffer="shared" if shared else "full")
-                        if mode != "none":
-                            s = keep_on_gpu(arch, s, gpu_mem_gib, host_mem_gib)
-                        e = estimate(arch, s)
-                        f = fits(e, gpu_mem_gib, host_mem_gib, disk_gib=disk_gib)
-                        if f.ok or m == 1:
-                            out.append(Candidate(s, e, f, tokens_per_second(arch, s, gpu_name), off))
-                        if not f.ok:
-                            break
+    for t in tunings or (Tuning.of(base),):
+        tuned = t.apply(base)
+        for off in placements(t, disk_gib):
+            if offloads is not None and off not in offloads:
+                continue
+            opt, param = OFFLOADS[off]
+            nvme = off == "opt(nvme)"
+            stage = tuned.zero_stage
+            shared = share_grads and not why_not(stage, "nvme" if nvme else opt, 1, base.precision)
+            for st in states:
+                first = dataclasses.replace(tuned, offload_optimizer=opt, offload_param=param,
+                                            nvme=nvme, optimizer_states=st, offload_ratio=1.0)
+                ratios = offload_ratios(arch, first) if off == "opt" and stage == 3 else [1.0]
+                for ratio in ratios:
+                    for mode in modes:
+                        out += _scan(arch, dataclasses.replace(
+                            first, checkpointing=mode, offload_ratio=ratio, grad_accum=1,
+                            gpu_layers=0, keep_attention=0,
+                            host_grad_buffer="shared" if shared else "full"),
+                            off, gpu_mem_gib, host_mem_gib, gpu_name, max_micro, disk_gib)
     return out
 
 
-def best(cands: list[Candidate], within: float = 0.02, gpu_mem_gib: float | None = None,
+def _scan(arch: dict, s: Setup, off: str, gpu_mem_gib: float, host_mem_gib: float,
+          gpu_name: str | None, max_micro: int, disk_gib: float | None) -> list[Candidate]:
+    """One placement's candidates over micro-batches 1.. until one does not fit (that one too when
+    it is micro-batch 1)."""
+    out = []
+    for m in range(1, max_micro + 1):
+        c = dataclasses.replace(s, micro_batch=m)
+        if c.checkpointing != "none":
+            c = keep_on_gpu(arch, c, gpu_mem_gib, host_mem_gib)
+        e = estimate(arch, c)
+        f = fits(e, gpu_mem_gib, host_mem_gib, disk_gib=disk_gib)
+        if f.ok or m == 1:
+            out.append(Candidate(c, e, f, tokens_per_second(arch, c, gpu_name), off))
+        if not f.ok:
+            break
+    return out
+
+
+def near_budget(c: Candidate, gpu_mem_gib: float, host_mem_gib: float,
+                margin: float = NEAR_BUDGET) -> list[str]:
+    """Warnings for a candidate whose GPU or host need is within `margin` of its budget."""
+    out = []
+    for what, need, have in (("GPU", c.est.gpu_nvml, gpu_mem_gib), ("host", c.est.host_rss,
+                                                                   host_mem_gib)):
+        if have and need > (1 - margin) * have * GIB:
+            out.append(f"{what} need {need / GIB:.2f} GiB is within {margin:.0%} of the "
+                       f"{have:g} GiB budget ({(have * GIB - need) / GIB:.2f} GiB left): the "
+                       "estimate is good to a few per cent; leave more room, or confirm with "
+                       "`longft max-context --confirm`")
+    return out
+
+
+def _used(c: Candidate, gpu_mem_gib: float, host_mem_gib: float) -> float:
+    """The share of the machine a candidate uses: GPU share + host share."""
+    return c.est.gpu_nvml / (gpu_mem_gib * GIB) + c.est.host_rss / (host_mem_gib * GIB)
+
+
+def changes(s: Setup) -> tuple[str, ...]:
+    """What a candidate changes about the training itself, in the order the plan avoids it among
+    near-ties: LoRA instead of all parameters, quantized base weights, 8-bit Adam states, bf16
+    optimizer states (LoRA's few states gain nothing from the last two)."""
+    return tuple(name for name, on in (
+        ("LoRA", s.lora_rank > 0), (f"{s.quantize} base weights", s.quantize != "none"),
+        (s.optimizer, s.optimizer != "adamw"), ("bf16 optimizer states", s.optimizer_states == "bf16"))
+        if on)
+
+
+def _fidelity(c: Candidate) -> tuple[bool, ...]:
+    s = c.setup
+    return (s.lora_rank > 0, s.quantize != "none", s.optimizer != "adamw",
+            s.optimizer_states == "bf16")
+
+
+def best(cands: list[Candidate], within: float = NEAR_TIE, gpu_mem_gib: float | None = None,
          host_mem_gib: float | None = None) -> Candidate | None:
-    """The fastest fitting candidate; among those within `within` of the fastest, the one that uses
-    the least of the machine: the smallest sum of the GPU's and the host's shares used when both
-    sizes are given (so a near-tie is not won by filling host RAM to spare GPU memory nothing
-    needs), else the least GPU memory (a larger micro-batch only helps up to a point, headroom
-    always does)."""
+    """The fastest fitting candidate; among those within `within` of the fastest (the speed model
+    cannot tell them apart), the ones that change the training least (`changes`: all parameters
+    before LoRA, before quantized weights, before 8-bit Adam, before bf16 states), then one not
+    within NEAR_BUDGET of a budget where there is one, then the one that uses the least of the
+    machine: the smallest sum of the GPU's and the host's shares used when both sizes are given
+    (so a near-tie is not won by filling host RAM to spare GPU memory nothing needs), else the
+    least GPU memory (a larger micro-batch only helps up to a point, headroom always does).
+    `why_chosen` says in words why the choice is not the fastest."""
     ok = [c for c in cands if c.fit.ok]
     if not ok:
         return None
     top = max(c.tokens_per_s for c in ok)
     near = [c for c in ok if c.tokens_per_s >= (1 - within) * top]
+    least = min(_fidelity(c) for c in near)
+    near = [c for c in near if _fidelity(c) == least]
     if gpu_mem_gib and host_mem_gib:
-        def used(c: Candidate) -> float:
-            return c.est.gpu_nvml / (gpu_mem_gib * GIB) + c.est.host_rss / (host_mem_gib * GIB)
-        return min(near, key=lambda c: (round(used(c), 3), c.gpu_need, -c.tokens_per_s))
+        roomy = [c for c in near if not near_budget(c, gpu_mem_gib, host_mem_gib)]
+        near = roomy or near
+        return min(near, key=lambda c: (round(_used(c, gpu_mem_gib, host_mem_gib), 3), c.gpu_need,
+                                        -c.tokens_per_s))
     return min(near, key=lambda c: (c.gpu_need, -c.tokens_per_s))
 
 
-def overlay(model: str, c: Candidate, gpus: int, shipped: bool, nvme_path: str | None = None) -> dict:
-    """The params overlay for a candidate (merge onto params.yaml)."""
+def why_chosen(choice: Candidate, cands: list[Candidate], gpu_mem_gib: float | None = None,
+               host_mem_gib: float | None = None) -> str | None:
+    """Why `choice` (best's answer) is not the fastest fitting candidate; None when it is."""
+    ok = [c for c in cands if c.fit.ok]
+    fastest = max(ok, key=lambda c: c.tokens_per_s)
+    if fastest.tokens_per_s <= choice.tokens_per_s:
+        return None
+
+    def faster(c: Candidate) -> str:
+        return (f"{describe_placement(c)} (~{c.tokens_per_s:,.0f} tok/s) is "
+                f"{c.tokens_per_s / choice.tokens_per_s - 1:.1%} faster")
+
+    why = []
+    if _fidelity(fastest) != _fidelity(choice):
+        more = [x for x in changes(fastest.setup) if x not in changes(choice.setup)]
+        why.append(f"{faster(fastest)} but changes the training more ({', '.join(more)})")
+    peer = max((c for c in ok if _fidelity(c) == _fidelity(choice)), key=lambda c: c.tokens_per_s)
+    if peer.tokens_per_s > choice.tokens_per_s:
+        mem = (f"GPU {choice.est.gpu_nvml / GIB:.1f} + host {choice.est.host_rss / GIB:.1f} GiB "
+               f"against {peer.est.gpu_nvml / GIB:.1f} + {peer.est.host_rss / GIB:.1f} GiB")
+        tight = gpu_mem_gib and host_mem_gib and near_budget(peer, gpu_mem_gib, host_mem_gib)
+        why.append(f"{faster(peer)} but " + ("is within 3 % of a budget; this one leaves room ("
+                                               if tight else "this one uses less of the machine (")
+                   + mem + ")")
+    return "; ".join(why) + f". Within {NEAR_TIE:.0%} the speed model cannot tell them apart."
+
+
+def describe_placement(c: Candidate, tuning: bool = True) -> str:
+    """A candidate in one phrase: tuning (unless `tuning` is off), offload, checkpointing, kept
+    layers, micro-batch."""
+    s = c.setup
+    off = c.offload + (f"(ratio {s.offload_ratio:g})" if s.offload_ratio < 1 else "")
+    off += " bf16-states" if s.optimizer_states == "bf16" else ""
+    kept = (f" ({s.gpu_layers} on GPU, {s.keep_attention} attention kept)"
+            if s.checkpointing == "cpu_offload" else f" ({s.keep_attention} attention kept)"
+            if s.keep_attention else "")
+    return ((f"{Tuning.of(s).name}, " if tuning else "") + f"ZeRO-{s.zero_stage} offload {off}, checkpointing "
+            f"{s.checkpointing}{kept}, micro-batch {s.micro_batch}")
+
+
+def overlay(c: Candidate, gpus: int, model: dict | None = None,
+            nvme_path: str | None = None) -> dict:
+    """The params overlay for a candidate (merge onto the base params). It sets what the plan
+    chose, and leaves the rest of the base params alone: `model` is written only when given (the
+    plan was for another model than the base params' one), data only by its length; lora.rank,
+    lora.quantize and optim.name always, so that the merge trains what was planned."""
     s = c.setup
     opt, param = OFFLOADS[c.offload]
-    model_sec = {"name": model, **({"source": "random"} if shipped else {})}
+    out = {"model": model} if model else {}
     return {
-        "model": model_sec,
+        **out,
         # packed or not: per-document attention needs no mask (kernels.packed_attention)
         "data": {"max_seq_length": s.seq_len},
         "hardware": {"num_gpus": gpus},
@@ -253,10 +356,12 @@ def overlay(model: str, c: Candidate, gpus: int, shipped: bool, nvme_path: str |
         # otherwise survive where the plan chose none
         "checkpointing": {"mode": s.checkpointing, "gpu_layers": s.gpu_layers,
                           "keep_attention": s.keep_attention},
-        "zero": {"stage": 3, "offload_optimizer": s.offload_device,
+        "zero": {"stage": s.zero_stage, "offload_optimizer": s.offload_device,
                  "offload_param": "cpu" if param else "none",
                  "offload_ratio": s.offload_ratio, "optimizer_states": s.optimizer_states,
                  "host_grad_buffer": s.host_grad_buffer,
                  **({"nvme_path": nvme_path} if s.nvme else {"nvme_path": None})},
+        "lora": {"rank": s.lora_rank, "quantize": s.quantize if s.lora_rank else "none"},
+        "optim": {"name": s.optimizer},
         "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},
     }

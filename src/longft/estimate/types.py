@@ -110,6 +110,8 @@ class Setup:
     flash_attn_4: bool = False       # kernels.packed_attention flash_attn_4 (its host runtime)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    quantize: str = "none"           # LoRA's frozen base linears: none | nf4 | int8 (bitsandbytes)
+    optimizer: str = "adamw"         # adamw | adamw_8bit | paged_adamw_8bit (8-bit m, v on the GPU)
     sequence_parallel: int = 1       # hardware.sequence_parallel: each rank holds seq / N tokens
 
     @property
@@ -156,6 +158,15 @@ class Setup:
             p.append(f"optimizer_states {self.optimizer_states!r} is not fp32 or bf16")
         elif self.optimizer_states == "bf16" and self.precision != "bf16":
             p.append("optimizer_states bf16 needs precision bf16")
+        if self.quantize not in ("none", "nf4", "int8"):
+            p.append(f"quantize {self.quantize!r} is not none, nf4 or int8")
+        elif self.quantize != "none" and (self.lora_rank <= 0 or self.zero_stage != 2):
+            p.append("quantize (QLoRA) needs lora_rank > 0 and zero_stage 2")
+        if self.optimizer not in ("adamw", "adamw_8bit", "paged_adamw_8bit"):
+            p.append(f"optimizer {self.optimizer!r} is not adamw, adamw_8bit or paged_adamw_8bit")
+        elif self.optimizer != "adamw" and self.offload_optimizer:
+            p.append(f"optimizer {self.optimizer} keeps its 8-bit states on the GPU: it needs "
+                     "offload_optimizer none")
         if self.sub_group_size < 1:
             p.append("sub_group_size must be >= 1")
         if self.host_grad_buffer not in ("full", "shared"):

@@ -1,0 +1,241 @@
+"""`longft plan`: the fastest placement that fits, as a params overlay; when nothing fits, what does.
+
+    longft plan --gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072 \
+        [--params params.yaml] [--lora any|none|RANK] [--quantize any|none|nf4|int8] \
+        [--optimizer any|adamw|adamw_8bit|paged_adamw_8bit] [--optimizer-states any|fp32|bf16] \
+        [--nvme-path DIR] [--out overlay.yaml]
+
+The search (longft.estimate.placement) covers what the params train (full-parameter, LoRA or QLoRA,
+and their optimizer); --lora, --quantize, --optimizer and --optimizer-states widen or pin it. The
+overlay keeps the base params' model, data and LoRA choices. When nothing fits (exit 1) it prints
+the longest context that fits for full-parameter, LoRA and QLoRA training and the smallest changes
+that make the asked run fit (longft.estimate.advice), each with its predicted speed, and the
+overlay of the smallest. docs/estimator.md has the search and the speed model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from longft.estimate.estimator import GIB, describe, format_table
+from longft.estimate.format import unmeasured
+from longft.estimate.placement import (
+    Candidate,
+    Tuning,
+    best,
+    describe_placement,
+    near_budget,
+    overlay,
+    search,
+    why_chosen,
+)
+
+QUANTIZE = ("none", "nf4", "int8")
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="longft plan",
+                                 description="Fastest placement that fits, as a params overlay.")
+    ap.add_argument("--gpu-mem", type=float, required=True, help="GiB of one GPU")
+    ap.add_argument("--host-mem", type=float, required=True, help="GiB of host RAM")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--model", help="a name in configs/models, a config path, or a pretrained model "
+                    "(default: the params' model.name, kept as it is)")
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--out", help="write the overlay YAML here")
+    ap.add_argument("--params", default="params.yaml",
+                    help="base params (precision, kernels, LoRA); defaults if the file is absent")
+    ap.add_argument("--max-micro", type=int, default=64)
+    ap.add_argument("--gpu-name", help="GPU model for the peak-FLOPS lookup of the speed ranking "
+                    "(default: the detected one)")
+    ap.add_argument("--optimizer-states", choices=("fp32", "bf16", "any"),
+                    help="optimizer-state precisions to search (default: the params' "
+                    "zero.optimizer_states; bf16 halves their bytes but changes numerics, so it is "
+                    "searched only when asked)")
+    ap.add_argument("--lora", help="what trains: none (all parameters), RANK (LoRA at that rank) or "
+                    "any (both; LoRA at the params' rank, else 16). Default: the params' lora.rank")
+    ap.add_argument("--quantize", choices=(*QUANTIZE, "any"),
+                    help="LoRA's base weights: none, nf4 or int8 (QLoRA, bitsandbytes, on ZeRO-2), "
+                    "or any of them. Default: the params' lora.quantize")
+    ap.add_argument("--optimizer", choices=(*OPTIMIZERS, "any"),
+                    help="adamw, adamw_8bit or paged_adamw_8bit (bitsandbytes' 8-bit states on the "
+                    "GPU, no optimizer offload), or any (adamw and adamw_8bit). Default: the "
+                    "params' optim.name")
+    ap.add_argument("--nvme-path", help="also search ZeRO-Infinity: optimizer states in files "
+                    "under this directory (its free space is the disk budget)")
+    return ap
+
+
+def tunings(cfg, lora: str | None, quantize: str | None, optimizer: str | None) -> tuple[Tuning, ...]:
+    """What the search may train, the params' own way first: --lora x --quantize x --optimizer,
+    each defaulting to the params. Raises ValueError for a combination that cannot be."""
+    own = Tuning(cfg.lora.rank, cfg.lora.quantize if cfg.lora.rank else "none", cfg.optim.name)
+    if lora is None:
+        ranks = [cfg.lora.rank]
+    elif lora == "none":
+        ranks = [0]
+    elif lora == "any":
+        ranks = [0, cfg.lora.rank or 16]
+    elif lora.isdigit() and int(lora) > 0:
+        ranks = [int(lora)]
+    else:
+        raise ValueError(f"--lora {lora!r}: give none, any or a rank > 0")
+    quants = (list(QUANTIZE) if quantize == "any" else [quantize] if quantize
+              else [cfg.lora.quantize])
+    if quantize not in (None, "none", "any") and not any(ranks):
+        raise ValueError(f"--quantize {quantize} quantizes LoRA's base weights: add --lora RANK or "
+                         "--lora any (the params train all parameters)")
+    opts = ["adamw", "adamw_8bit"] if optimizer == "any" else [optimizer or cfg.optim.name]
+    out = [Tuning(r, q if r else "none", o) for r in ranks for q in quants for o in opts]
+    out = list(dict.fromkeys(out))
+    return tuple(sorted(out, key=lambda t: t != own))
+
+
+def _model_overlay(a, base_cfg, shipped: bool) -> tuple[dict | None, str | None]:
+    """The overlay's model section and a note: none when the plan is for the base params' own model
+    (by name, or by the same architecture: a pretrained model planned by its shipped name keeps
+    its weights); else the asked model (an architecture is a random-init run)."""
+    if a.model is None or base_cfg is None or a.model == base_cfg.model.name:
+        return None, None
+    section = {"name": a.model, **({"source": "random"} if shipped else {})}
+    try:
+        from longft.cli.estimate import _architecture
+        from longft.config.params import ModelConfig
+        from longft.estimate.arch import dims
+
+        same = dims(_architecture(base_cfg.model)) == dims(_architecture(ModelConfig(**section)))
+    except Exception:  # noqa: BLE001 - the params' model may not load here (hub id offline)
+        same = False
+    m = base_cfg.model
+    if same:
+        return None, (f"{a.model} has the architecture of the params' model {m.name!r} "
+                      f"({m.source}): the overlay keeps the params' model")
+    return section, (f"the overlay sets model {section}: it replaces the params' model {m.name!r} "
+                     f"({m.source}); leave out --model to plan the params' own model")
+
+
+def _config(a):
+    """(the Config to plan, the overlay's model section or None, a note about it or None): the
+    base params (or the defaults) at --seq and --gpus, with --model where it is another model."""
+    from longft.config.params import from_dict, load
+    from longft.model.loading import shipped_architectures
+
+    has_params = Path(a.params).is_file()
+    base_cfg = load(a.params) if has_params else None
+    shipped = a.model is not None and (a.model in shipped_architectures()
+                                       or Path(a.model).suffix == ".json")
+    model_over, model_note = _model_overlay(a, base_cfg, shipped)
+    if base_cfg is None:     # no params to keep a model from: the overlay names it
+        model_over = {"name": a.model, **({"source": "random"} if shipped else {})}
+    over = {"data": {"max_seq_length": a.seq}, "hardware": {"num_gpus": a.gpus},
+            "train": {"micro_batch_size": 1, "global_batch_size": a.gpus},
+            **({"model": model_over} if model_over else {})}
+    cfg = load(a.params, over) if has_params else from_dict(over, a.params)
+    return cfg, model_over, model_note
+
+
+def cmd_plan(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    from longft.cli.estimate import _architecture, _resolve
+    from longft.estimate.estimator import setup_from_config
+    from longft.hardware import detect
+
+    if a.model is None and not Path(a.params).is_file():
+        print("longft plan: no --model and no params file to take it from", file=sys.stderr)
+        return 2
+    cfg, model_over, model_note = _config(a)
+    try:
+        allowed = tunings(cfg, a.lora, a.quantize, a.optimizer)
+    except ValueError as e:
+        print(f"longft plan: {e}", file=sys.stderr)
+        return 2
+    hw = detect()
+    arch = _architecture(cfg.model)
+    resolved, notes = _resolve(cfg, hw, arch["model_type"])
+    base = setup_from_config(cfg, resolved)
+    gpu_name = a.gpu_name or (hw.gpu_name if hw.device == "cuda" else None)
+    wanted = a.optimizer_states or cfg.zero.optimizer_states
+    states = ("fp32", "bf16") if wanted == "any" else (wanted,)
+    if "bf16" in states and base.precision != "bf16":
+        print(f"longft plan: bf16 optimizer states need precision bf16 (resolved {base.precision}); "
+              "searching fp32 states only", file=sys.stderr)
+        states = ("fp32",)
+    disk = None
+    if a.nvme_path:
+        from longft.hardware import nvme
+
+        bad = nvme.path_problems(a.nvme_path, 0)
+        if bad:
+            print("longft plan: " + "; ".join(bad), file=sys.stderr)
+            return 2
+        disk = shutil.disk_usage(a.nvme_path).free / GIB
+    cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro,
+                   share_grads=cfg.zero.host_grad_buffer != "full", states=states, disk_gib=disk,
+                   tunings=allowed)
+    model_name = a.model or cfg.model.name
+    print(f"longft plan: {model_name}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
+          f"host {a.host_mem:g} GiB")
+    for n in notes + ([model_note] if model_note else []):
+        print(f"note: {n}")
+    print("searched: " + "; ".join(t.name for t in allowed) + f"; optimizer states "
+          f"{', '.join(states)}" + ("; NVMe" if disk is not None else "")
+          + " (--lora, --quantize, --optimizer, --optimizer-states, --nvme-path widen it)")
+    _print_fitting(cands, a.gpu_mem, a.host_mem)
+    choice = best(cands, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem)
+    if choice is None:
+        from longft.cli.plan_advice import nothing_fits
+
+        return nothing_fits(a, arch, base, cands, allowed, states, disk, cfg, gpu_name, model_over)
+    print(f"\nchosen: {describe_placement(choice)} (~{choice.tokens_per_s:,.0f} tok/s predicted)")
+    why = why_chosen(choice, cands, a.gpu_mem, a.host_mem)
+    if why:
+        print(f"not the fastest: {why}")
+    for w in near_budget(choice, a.gpu_mem, a.host_mem):
+        print(f"warning: {w}")
+    for n in unmeasured(choice.setup):
+        print(f"note: {n}")
+    print(format_table(choice.est, choice.fit))
+    write_overlay(a.out, overlay(choice, a.gpus, model_over, a.nvme_path), choice, a.gpu_mem,
+                  a.host_mem)
+    return 0
+
+
+def _print_fitting(cands: list[Candidate], gpu_mem: float, host_mem: float) -> None:
+    ok = sorted((c for c in cands if c.fit.ok), key=lambda c: -c.tokens_per_s)
+    print(f"{len(ok)} fitting candidate(s); fastest per tuning x offload x checkpointing:")
+    seen = set()
+    for c in ok:
+        s = c.setup
+        key = (s.lora_rank, s.quantize, s.optimizer, c.offload, s.offload_ratio,
+               s.optimizer_states, s.checkpointing)
+        if key not in seen:
+            seen.add(key)
+            flag = "  (within 3 % of a budget)" if near_budget(c, gpu_mem, host_mem) else ""
+            print(f"  {describe_placement(c)}: ~{c.tokens_per_s:,.0f} tok/s, GPU "
+                  f"{c.est.gpu_nvml / GIB:.1f} GiB, host {c.est.host_rss / GIB:.1f} GiB{flag}")
+
+
+def write_overlay(out: str | None, ov: dict, c: Candidate, gpu_mem: float, host_mem: float,
+                  title: str = "longft plan", quiet: bool = False) -> None:
+    """Print the overlay, or write it to `out` with a header of what it predicts (and say so
+    unless `quiet`)."""
+    import yaml
+
+    warn = "".join(f"# warning: {w}\n" for w in near_budget(c, gpu_mem, host_mem))
+    head = (f"# {title}: {describe(c.setup)}\n"
+            f"# predicted: VRAM {c.est.gpu_allocated / GIB:.2f} GiB allocated, "
+            f"{c.est.gpu_nvml / GIB:.2f} GiB NVML; host {c.est.host_rss / GIB:.2f} GiB; "
+            f"~{c.tokens_per_s:,.0f} tok/s\n" + warn)
+    text = yaml.safe_dump(ov, sort_keys=False)
+    if out:
+        from longft.atomic import write_text
+
+        write_text(Path(out), head + text)
+        if not quiet:
+            print(f"\nwrote {out}")
+    else:
+        print("\n" + head + text)

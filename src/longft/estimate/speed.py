@@ -1,0 +1,97 @@
+"""The speed heuristic that ranks `longft plan`'s candidates: predicted seconds of an optimizer
+step and tokens/s for a Setup (compute at a fixed share of the peak, host copies, CPU or GPU Adam,
+NVMe, QLoRA's dequantization). Its constants and formula are in docs/estimator.md; it ranks, its
+absolute numbers are 8-14 % low on the measured rows.
+"""
+
+from __future__ import annotations
+
+from longft.estimate.arch import trainable_numels
+from longft.estimate.estimator import Setup, param_numels
+from longft.model.tiled_mlp import skips_recompute, tiles
+
+ACHIEVED_FRACTION = 0.5
+"""Fraction of the dense peak that matmuls reach, recompute included (H200 rows: 0.39 MFU x 4/3)."""
+UNKNOWN_PEAK_FLOPS = 312e12
+"""Dense bf16 peak assumed when the GPU is not in flops.PEAK_TFLOPS (an A100)."""
+MICRO_OVERHEAD_TOKENS = 2048
+"""Fixed cost of one micro-step (launches, hooks, syncs) in token-equivalents of compute."""
+HOST_LINK_BYTES_PER_S = 20e9
+"""Effective PCIe bandwidth for parameter fetches, gradient and checkpoint copies."""
+EXPOSED_FRACTION = 0.5
+"""Share of host<->GPU copy time not hidden behind compute."""
+CPU_ADAM_PARAMS_PER_S = 2.2e9
+"""DeepSpeedCPUAdam speed (H200 row b: 1.24e9 parameters in 0.55 s on 16 cores)."""
+GPU_ADAM_BYTES_PER_S = 1.5e12
+"""Fused Adam on the GPU: 16 B read+written per parameter at about this rate."""
+NVME_BYTES_PER_S = 2e9
+"""offload_optimizer nvme: read + write bandwidth assumed for the state files (a PCIe 4 NVMe drive;
+DeepSpeed's aio reaches about this per drive)."""
+DEQUANT_BYTES_PER_S = 1.0e12
+"""QLoRA, an assumption until a measured row replaces it: the rate at which bitsandbytes turns a
+quantized weight back into the training dtype (its blocks read, the weight written), about the
+memory bandwidth of a 24 GB card (an H200 has 4.8 TB/s). Dequantization is the only QLoRA cost
+modelled: the bf16 GEMM after it is LoRA's own, so at long contexts QLoRA predicts nearly LoRA's
+speed. The plan says QLoRA speeds are unmeasured."""
+
+
+def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
+    """Predicted seconds of one optimizer step (grad_accum micro-steps) on one rank."""
+    from longft.estimate.flops import attention_flops, flops_per_token, peak_flops
+
+    T = s.local_tokens  # sequence parallel: N micro-steps of seq / N tokens for each row
+    w = 4 if s.precision == "fp32" else 2
+    P_r = sum(n for _, n in param_numels(arch)) / s.world_size
+    peak = peak_flops(gpu_name, s.precision) or UNKNOWN_PEAK_FLOPS
+    recompute = 1.0 if s.checkpointing == "none" else 4 / 3
+    lora = sum(trainable_numels(arch, s)) if s.lora_rank else None  # no frozen weights' gradients
+    micro = T * flops_per_token(arch, s.seq_len, lora_params=lora) * recompute / (ACHIEVED_FRACTION * peak)
+    micro *= 1 + MICRO_OVERHEAD_TOKENS / T
+    skipped = skips_recompute(s.checkpointing, arch.get("model_type"))
+    if s.checkpointing != "none" and s.keep_attention:  # their attention forward runs once
+        kept = min(s.keep_attention, arch["num_hidden_layers"])
+        micro -= T * attention_flops(arch, s.seq_len) * kept / (ACHIEVED_FRACTION * peak)
+    if s.tiled_mlp and tiles(T, s.tile_tokens) > 1 and not skipped:  # one more MLP forward
+        mlp = 2 * 3 * arch["hidden_size"] * arch["intermediate_size"] * arch["num_hidden_layers"]
+        micro += T * mlp / (ACHIEVED_FRACTION * peak)
+    if s.offload_param:      # fetch every layer for forward, recompute and backward
+        micro += EXPOSED_FRACTION * 3 * w * P_r / HOST_LINK_BYTES_PER_S
+    if s.checkpointing == "cpu_offload":
+        moved = max(0, arch["num_hidden_layers"] - s.gpu_layers)
+        micro += EXPOSED_FRACTION * 2 * moved * T * arch["hidden_size"] * w / HOST_LINK_BYTES_PER_S
+    if s.quantize != "none":
+        micro += dequant_seconds(arch, s)
+    return s.grad_accum * s.sequence_parallel * micro + optimizer_seconds(arch, s)
+
+
+def dequant_seconds(arch: dict, s: Setup) -> float:
+    """QLoRA: each quantized linear is dequantized for the forward, the recompute (with
+    checkpointing) and the backward's input gradient: its blocks read and the weight written in
+    the training dtype each time, at DEQUANT_BYTES_PER_S (an assumption, unmeasured)."""
+    from longft.estimate.arch import numbers
+
+    n = numbers(arch, s)
+    passes = 2 if s.checkpointing == "none" else 3
+    return passes * (n.quant_bytes + n.w * n.Pq) / DEQUANT_BYTES_PER_S
+
+
+def optimizer_seconds(arch: dict, s: Setup) -> float:
+    """Predicted seconds of the optimizer step: CPU Adam over the host's sub-groups (plus copying
+    their weights back, and with NVMe reading and writing their states), GPU Adam over the rest."""
+    from longft.estimate.arch import numbers
+
+    n = numbers(arch, s)
+    on_gpu, on_host = sum(n.gpu_groups), sum(n.host_groups)
+    # master, gradient, m, v; 8-bit Adam reads and writes m and v in 1 B each
+    per = 4 * n.ms if s.optimizer == "adamw" else 2 * n.ms + 2
+    t = per * on_gpu / GPU_ADAM_BYTES_PER_S
+    if on_host:
+        t += on_host / CPU_ADAM_PARAMS_PER_S + n.w * on_host / HOST_LINK_BYTES_PER_S
+        if s.nvme:
+            t += 2 * 4 * n.ms * on_host / NVME_BYTES_PER_S
+    return t
+
+
+def tokens_per_second(arch: dict, s: Setup, gpu_name: str | None) -> float:
+    """Predicted tokens/s of the whole job (all ranks)."""
+    return s.world_size * s.grad_accum * s.micro_batch * s.seq_len / step_seconds(arch, s, gpu_name)
