@@ -51,7 +51,8 @@ def _overlay_after(text: str, marker: str) -> dict:
 
 def _refit(over: dict, gpu_gib: float, host_gib: float, hw) -> bool:
     """Whether the overlay, merged onto the shipped defaults, fits by a fresh estimate."""
-    from longft.cli.estimate import _architecture, _resolve
+    from longft.cli.target import architecture_of as _architecture
+    from longft.cli.target import resolve_on_gpu as _resolve
 
     cfg = from_dict(merge(to_dict(Config()), over))
     arch = _architecture(cfg.model)
@@ -135,7 +136,8 @@ def test_flags_widen_the_search():
     assert set(tunings(cfg, "any", "any", "any")) == {
         Tuning(0, "none", o) for o in ("adamw", "adamw_8bit")} | {
         Tuning(16, q, o) for q in ("none", "nf4", "int8") for o in ("adamw", "adamw_8bit")}
-    lora = from_dict({"lora": {"rank": 32, "quantize": "nf4"}, "optim": {"name": "adamw_8bit"}})
+    lora = from_dict({"lora": {"rank": 32, "quantize": "nf4"}, "optim": {"name": "adamw_8bit"},
+                     "zero": {"offload_optimizer": "none"}})
     assert tunings(lora, "any", None, None)[0] == Tuning(32, "nf4", "adamw_8bit")  # its own first
     with pytest.raises(ValueError, match="add --lora RANK"):
         tunings(cfg, None, "nf4", None)

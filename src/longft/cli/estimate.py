@@ -25,6 +25,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from longft.cli.target import architecture_of as _architecture
+from longft.cli.target import resolve_on_gpu as _resolve
 from longft.estimate.estimator import GIB, describe, estimate, fits, format_table, setup_from_config
 from longft.estimate.format import unmeasured
 from longft.estimate.max_context import SEQ_STEP, _max_context_auto_tiled, candidates_for_confirmation, max_context
@@ -39,49 +41,6 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------- shared pieces
-
-
-def _architecture(model_cfg) -> dict:
-    from longft.model.architecture import architecture
-    from longft.model.loading import load_model_config
-
-    return architecture(load_model_config(model_cfg))
-
-
-def _target_hardware(hw, num_gpus: int):
-    """The hardware to resolve `auto` against: this machine's GPU, or, planning from a machine
-    without one, an Ampere-or-newer GPU with Liger installed (said in the output)."""
-    from longft.hardware import Hardware
-
-    if hw.device == "cuda":
-        return dataclasses.replace(hw, gpu_count=max(hw.gpu_count, num_gpus)), None
-    return (Hardware(device="cuda", gpu_name=None, gpu_count=num_gpus, capability=(8, 0),
-                     host_mem_gib=hw.host_mem_gib, cpu_count=hw.cpu_count,
-                     flash_attn=hw.flash_attn, liger=True),
-            "no GPU here: auto values resolved for an Ampere-or-newer GPU with Liger installed")
-
-
-def _resolve(cfg, hw, model_type: str) -> tuple[dict, list[str]]:
-    """hardware.resolve's values for cfg on a GPU (see _target_hardware)."""
-    from longft.hardware import resolve
-
-    target, note = _target_hardware(hw, cfg.hardware.num_gpus)
-    notes = [note] if note else []
-    c = cfg
-    if cfg.hardware.device == "cpu":
-        notes.append("hardware.device is cpu: estimated as the same run on a GPU")
-        c = dataclasses.replace(c, hardware=dataclasses.replace(c.hardware, device="auto"))
-    # a softcapping model (Gemma 2) resolves to the attention the run will take (not SDPA)
-    # hardware.sequence_parallel must divide the model's heads (refused here as in the patch stage)
-    from longft.model.architecture import architecture
-    from longft.model.loading import load_model_config
-    from longft.model.patches import attention_softcap
-
-    mc = load_model_config(cfg.model)
-    arch = architecture(mc)
-    choices = resolve(c, target, model_type, attention_softcap(mc),
-                      (arch["num_attention_heads"], arch["num_key_value_heads"]))
-    return {k: ch.value for k, ch in choices.items()}, notes
 
 
 def _sizes(a, hw) -> tuple[float | None, float | None]:

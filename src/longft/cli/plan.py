@@ -20,7 +20,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from longft.estimate.estimator import GIB, describe, format_table
+from longft.cli.overlay_file import write_overlay
+from longft.estimate.estimator import GIB, format_table
 from longft.estimate.format import unmeasured
 from longft.estimate.placement import (
     Candidate,
@@ -103,11 +104,11 @@ def _model_overlay(a, base_cfg, shipped: bool) -> tuple[dict | None, str | None]
         return None, None
     section = {"name": a.model, **({"source": "random"} if shipped else {})}
     try:
-        from longft.cli.estimate import _architecture
+        from longft.cli.target import architecture_of
         from longft.config.params import ModelConfig
         from longft.estimate.arch import dims
 
-        same = dims(_architecture(base_cfg.model)) == dims(_architecture(ModelConfig(**section)))
+        same = dims(architecture_of(base_cfg.model)) == dims(architecture_of(ModelConfig(**section)))
     except Exception:  # noqa: BLE001 - the params' model may not load here (hub id offline)
         same = False
     m = base_cfg.model
@@ -140,7 +141,7 @@ def _config(a):
 
 def cmd_plan(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    from longft.cli.estimate import _architecture, _resolve
+    from longft.cli.target import architecture_of, resolve_on_gpu
     from longft.estimate.estimator import setup_from_config
     from longft.hardware import detect
 
@@ -154,8 +155,8 @@ def cmd_plan(argv: list[str]) -> int:
         print(f"longft plan: {e}", file=sys.stderr)
         return 2
     hw = detect()
-    arch = _architecture(cfg.model)
-    resolved, notes = _resolve(cfg, hw, arch["model_type"])
+    arch = architecture_of(cfg.model)
+    resolved, notes = resolve_on_gpu(cfg, hw, arch["model_type"])
     base = setup_from_config(cfg, resolved)
     gpu_name = a.gpu_name or (hw.gpu_name if hw.device == "cuda" else None)
     wanted = a.optimizer_states or cfg.zero.optimizer_states
@@ -217,25 +218,3 @@ def _print_fitting(cands: list[Candidate], gpu_mem: float, host_mem: float) -> N
             flag = "  (within 3 % of a budget)" if near_budget(c, gpu_mem, host_mem) else ""
             print(f"  {describe_placement(c)}: ~{c.tokens_per_s:,.0f} tok/s, GPU "
                   f"{c.est.gpu_nvml / GIB:.1f} GiB, host {c.est.host_rss / GIB:.1f} GiB{flag}")
-
-
-def write_overlay(out: str | None, ov: dict, c: Candidate, gpu_mem: float, host_mem: float,
-                  title: str = "longft plan", quiet: bool = False) -> None:
-    """Print the overlay, or write it to `out` with a header of what it predicts (and say so
-    unless `quiet`)."""
-    import yaml
-
-    warn = "".join(f"# warning: {w}\n" for w in near_budget(c, gpu_mem, host_mem))
-    head = (f"# {title}: {describe(c.setup)}\n"
-            f"# predicted: VRAM {c.est.gpu_allocated / GIB:.2f} GiB allocated, "
-            f"{c.est.gpu_nvml / GIB:.2f} GiB NVML; host {c.est.host_rss / GIB:.2f} GiB; "
-            f"~{c.tokens_per_s:,.0f} tok/s\n" + warn)
-    text = yaml.safe_dump(ov, sort_keys=False)
-    if out:
-        from longft.atomic import write_text
-
-        write_text(Path(out), head + text)
-        if not quiet:
-            print(f"\nwrote {out}")
-    else:
-        print("\n" + head + text)

@@ -37,7 +37,7 @@ class _Overlays:
         self.a, self.model_over, self.written = a, model_over, []
 
     def show(self, name: str, c: Candidate, gpus: int) -> dict:
-        from longft.cli.plan import write_overlay
+        from longft.cli.overlay_file import write_overlay
 
         ov = overlay(c, gpus, self.model_over, None)
         print(f"{'':6s}overlay: " + yaml.safe_dump(ov, default_flow_style=True, sort_keys=False,
@@ -53,7 +53,7 @@ class _Overlays:
 def nothing_fits(a, arch: dict, base, cands: list[Candidate], allowed, states, disk, cfg,
                  gpu_name: str | None, model_over: dict | None) -> int:
     """Print what fits instead of the asked run; exit code 1 (the asked run does not fit)."""
-    from longft.cli.plan import write_overlay
+    from longft.cli.overlay_file import write_overlay
 
     closest = min(cands, key=lambda c: c.overshoot(a.gpu_mem, a.host_mem))
     print(f"\nnothing fits. Closest: {describe_placement(closest)}:")

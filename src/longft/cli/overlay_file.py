@@ -1,0 +1,31 @@
+"""A `longft plan` overlay, printed or written to a file with a header of what it predicts
+(`longft plan` and its advice when nothing fits both write them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longft.estimate.estimator import GIB, describe
+from longft.estimate.placement import Candidate, near_budget
+
+
+def write_overlay(out: str | None, ov: dict, c: Candidate, gpu_mem: float, host_mem: float,
+                  title: str = "longft plan", quiet: bool = False) -> None:
+    """Print the overlay, or write it to `out` with a header of what it predicts (and say so
+    unless `quiet`)."""
+    import yaml
+
+    warn = "".join(f"# warning: {w}\n" for w in near_budget(c, gpu_mem, host_mem))
+    head = (f"# {title}: {describe(c.setup)}\n"
+            f"# predicted: VRAM {c.est.gpu_allocated / GIB:.2f} GiB allocated, "
+            f"{c.est.gpu_nvml / GIB:.2f} GiB NVML; host {c.est.host_rss / GIB:.2f} GiB; "
+            f"~{c.tokens_per_s:,.0f} tok/s\n" + warn)
+    text = yaml.safe_dump(ov, sort_keys=False)
+    if out:
+        from longft.atomic import write_text
+
+        write_text(Path(out), head + text)
+        if not quiet:
+            print(f"\nwrote {out}")
+    else:
+        print("\n" + head + text)

@@ -1,0 +1,50 @@
+"""What `longft estimate`, `plan` and `max-context` estimate for: the model's architecture numbers,
+and every `auto` resolved for a GPU (this machine's, or an Ampere-or-newer one when planning from a
+machine without one)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def architecture_of(model_cfg) -> dict:
+    from longft.model.architecture import architecture
+    from longft.model.loading import load_model_config
+
+    return architecture(load_model_config(model_cfg))
+
+
+def target_hardware(hw, num_gpus: int):
+    """The hardware to resolve `auto` against: this machine's GPU, or, planning from a machine
+    without one, an Ampere-or-newer GPU with Liger installed (said in the output)."""
+    from longft.hardware import Hardware
+
+    if hw.device == "cuda":
+        return dataclasses.replace(hw, gpu_count=max(hw.gpu_count, num_gpus)), None
+    return (Hardware(device="cuda", gpu_name=None, gpu_count=num_gpus, capability=(8, 0),
+                     host_mem_gib=hw.host_mem_gib, cpu_count=hw.cpu_count,
+                     flash_attn=hw.flash_attn, liger=True),
+            "no GPU here: auto values resolved for an Ampere-or-newer GPU with Liger installed")
+
+
+def resolve_on_gpu(cfg, hw, model_type: str) -> tuple[dict, list[str]]:
+    """hardware.resolve's values for cfg on a GPU (see target_hardware)."""
+    from longft.hardware import resolve
+
+    target, note = target_hardware(hw, cfg.hardware.num_gpus)
+    notes = [note] if note else []
+    c = cfg
+    if cfg.hardware.device == "cpu":
+        notes.append("hardware.device is cpu: estimated as the same run on a GPU")
+        c = dataclasses.replace(c, hardware=dataclasses.replace(c.hardware, device="auto"))
+    # a softcapping model (Gemma 2) resolves to the attention the run will take (not SDPA)
+    # hardware.sequence_parallel must divide the model's heads (refused here as in the patch stage)
+    from longft.model.architecture import architecture
+    from longft.model.loading import load_model_config
+    from longft.model.patches import attention_softcap
+
+    mc = load_model_config(cfg.model)
+    arch = architecture(mc)
+    choices = resolve(c, target, model_type, attention_softcap(mc),
+                      (arch["num_attention_heads"], arch["num_key_value_heads"]))
+    return {k: ch.value for k, ch in choices.items()}, notes
