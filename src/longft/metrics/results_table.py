@@ -65,6 +65,8 @@ CURRENT = (
     Current("reference C's workload on 128 GiB of host RAM", "h200-8b-128k-ratio", "C"),
     Current("the same, packed documents", "h200-8b-128k-ratio-packed"),
     Current("LoRA rank 8, no offload", "q3-8b-128k-lora8"),
+    Current("a 24 GiB card with 60 GiB of RAM, emulated: QLoRA, packed documents",
+            "h200-8b-qlora-32k-cap24"),
     Current("2 GPUs", "h200x2-1b-16k-gpu"),
     Current("2 GPUs, one sequence per GPU", "h200x2-8b-128k-shared"),
 )
@@ -117,7 +119,10 @@ def _setup(doc: dict) -> str:
     parts = [f"{gpus}x {_gpu(doc)}", f"ZeRO-{z['stage']}, {where}",
              f"micro-batch {tr['micro_batch_size']}"]
     if p.get("lora", {}).get("rank"):
-        parts.append(f"LoRA r{p['lora']['rank']}")
+        q = p["lora"].get("quantize", "none")
+        parts.append(f"LoRA r{p['lora']['rank']}" + (f" on {q} weights (QLoRA)" if q != "none" else ""))
+    if hw.get("vram_limit_gib"):
+        parts.append(f"VRAM capped at {hw['vram_limit_gib']} GiB")
     mode = ck.get("mode")
     if mode == "cpu_offload":
         parts.append(f"layer checkpoints on the CPU ({ck.get('gpu_layers')} on the GPU)")
