@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from longft.estimate.quantized import QUANTIZED_LINEARS, quantized_weight_bytes
+from longft.estimate.quantized import quantized_weight_bytes
 from longft.estimate.types import DS_SUB_GROUP_SIZE, Setup
 from longft.model.architecture import attention_dims
 
@@ -68,10 +68,11 @@ def trainable_numels(arch: dict, s: Setup) -> list[int]:
 
 
 def quantized_linears(arch: dict, s: Setup) -> list[tuple[int, int]]:
-    """(in_features, out_features) of every decoder linear QLoRA quantizes (none without it)."""
+    """(in_features, out_features) of every decoder linear QLoRA quantizes: the LoRA targets, as
+    model/quantize.py does (none without it)."""
     if s.quantize == "none":
         return []
-    shapes = [io for name, io in _linear_shapes(dims(arch)).items() if name in QUANTIZED_LINEARS]
+    shapes = [io for name, io in _linear_shapes(dims(arch)).items() if name in s.lora_targets]
     return shapes * dims(arch)["L"]
 
 
