@@ -1,5 +1,6 @@
-"""DVC stage `metrics`: raw per-rank measurements -> metrics/ (train.json, env.json, loss.csv,
-memory.csv, memory.png, report.md).
+"""DVC stage `metrics`: raw per-rank measurements -> metrics/ (headline.json: the declared DVC
+metrics; train.json and env.json: the detail; loss.csv, memory.csv, eval.csv: the plots;
+memory.png, retrieval.png, report.md).
 
 Run from the repository root:
     python stages/metrics.py [--run runs/train] [--plan artifacts/plan.json] [--out metrics]

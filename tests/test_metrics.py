@@ -12,7 +12,7 @@ import pytest
 from longft import atomic
 from longft.config.plan import Plan
 from longft.estimate.flops import flops_per_token
-from longft.metrics.summary import summarize, write_outputs
+from longft.metrics.summary import HEADLINE, summarize, write_outputs
 from test_plan_file import plan_dict  # tests/ is on sys.path under pytest
 
 GIB = 1024**3
@@ -192,13 +192,21 @@ def test_outputs(tmp_path):
     train, env, rows = summarize(run, PLAN)
     out = tmp_path / "metrics"
     paths = write_outputs(out, train, env, rows, run)
-    assert sorted(p.name for p in paths) == ["env.json", "loss.csv", "memory.csv", "memory.png",
-                                             "report.md", "train.json"]
+    assert sorted(p.name for p in paths) == ["env.json", "headline.json", "loss.csv", "memory.csv",
+                                             "memory.png", "report.md", "train.json"]
     assert json.loads((out / "train.json").read_text()) == train
+    head = json.loads((out / "headline.json").read_text())
+    assert list(head) == list(HEADLINE)  # the declared DVC metrics: few, short, nothing run-specific
+    assert head["tok_s"] == round(train["tokens_per_s"], 1) and head["status"] == "complete"
+    assert head["loss"] == train["loss"]["last"] and head["mfu"] == train["mfu"]
+    assert head["vram_gib"] == train["peak_vram"]["max_allocated_gib"]
+    assert head["ram_gib"] == train["peak_dram"]["rss_tree_gib"]
     assert json.loads((out / "env.json").read_text())["precision"] == "bf16"
     with open(out / "loss.csv", newline="") as f:
         loss = list(csv.DictReader(f))
-    assert list(loss[0]) == ["step", "loss", "lr", "tokens_per_s", "iter_latency_s", "grad_norm", "epoch"]
+    assert list(loss[0]) == ["step", "loss", "lr", "tokens_per_s", "iter_latency_s", "grad_norm",
+                             "epoch", "vram_alloc_gib"]
+    assert float(loss[0]["vram_alloc_gib"]) > 0  # torch max allocated per step: the run's own VRAM
     assert [int(r["step"]) for r in loss] == [1, 2, 3, 4, 5]
     assert float(loss[3]["iter_latency_s"]) == 2.2
     with open(out / "memory.csv", newline="") as f:
@@ -230,8 +238,8 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         write_outputs(out, {**train, "status": "incomplete"}, env, rows, run)
     assert (out / "train.json").read_bytes() == before  # old file intact, not half-written
-    assert sorted(os.listdir(out)) == sorted(["env.json", "loss.csv", "memory.csv", "memory.png",
-                                              "report.md", "train.json"])  # no temp files left
+    assert sorted(os.listdir(out)) == sorted(["env.json", "headline.json", "loss.csv", "memory.csv",
+                                              "memory.png", "report.md", "train.json"])  # no temps
 
 
 def _stage(*args, cwd):

@@ -25,7 +25,7 @@ from longft.metrics.report import Run
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "exp_show.json"
 HEADER = ("| Setup | Model | Context Length | Peak VRAM (MiB) | Peak DRAM (GiB) "
-          "| Throughput (token/s) | Batch Size |")
+          "| Throughput (token/s) | Batch Size | LR | LoRA Rank | Eval Loss | Retrieval (%) |")
 
 
 @pytest.fixture
@@ -69,8 +69,10 @@ def test_exp_show_fixture_rows_and_notes(exp_show):
     lines = text.splitlines()
     assert lines[0] == HEADER
     cpu = "| 1xCPU ZeRO-3 offload opt | tiny-llama |"
-    assert lines[2] == f"{cpu} 2048 | n/a | 4.8 | 851 | 2 (1/GPU x 2 accum) |"
-    assert lines[3] == f"{cpu} 4096 | n/a | 3.7 | 679 | 2 (1/GPU x 2 accum) |"
+    assert lines[1] == "|---|---|" + "---:|" * 9
+    quality = "| 0.001 | 0 | n/a | n/a |"  # a run from before held-out evals
+    assert lines[2] == f"{cpu} 2048 | n/a | 4.8 | 851 | 2 (1/GPU x 2 accum) {quality}"
+    assert lines[3] == f"{cpu} 4096 | n/a | 3.7 | 679 | 2 (1/GPU x 2 accum) {quality}"
     assert "- left out: pending1 (2d94476): queued" in lines
     assert "- left out: badwarm (a64985a): failed" in lines
     assert "Source: dvc exp show." in text
@@ -95,7 +97,7 @@ def test_gpu_run_from_synthetic_exp_show(exp_show, params):
     rows, _ = report.build_rows(runs)
     line = report.render_table(rows, []).splitlines()[2]
     assert line == ("| 8xH200 ZeRO-3 offload opt+param | llama3.1-8b | 128000 | 54,272 | 180.3 "
-                    "| 19,876 | 8 (1/GPU) |")
+                    "| 19,876 | 8 (1/GPU) | 0.001 | 0 | n/a | n/a |")
     named = report.render_table(rows, [], names=True).splitlines()
     assert named[0].startswith("| Run | Setup |")
     assert named[2].startswith("| master (0058e7b) | 8xH200")
@@ -148,7 +150,42 @@ def test_bench_results_table(tmp_path, params):
     assert notes[1] == "oom: no train metrics (status: failed: stage train exited 1)"
     rows, _ = report.build_rows(runs)
     assert report.render_table(rows, notes).splitlines()[2] == (
-        "| 1xH200 ZeRO-3 offload opt+param | llama3.1-8b | 128000 | 54,272 | 180.3 | 19,876 | 1 |")
+        "| 1xH200 ZeRO-3 offload opt+param | llama3.1-8b | 128000 | 54,272 | 180.3 | 19,876 | 1 "
+        "| 0.001 | 0 | n/a | n/a |")
+
+
+def test_quality_columns_next_to_cost(params):
+    """Eval loss, retrieval, lr and LoRA rank of each run beside its speed and memory (issue 36)."""
+    lora = gpu_run(params, name="lora", eval_loss=1.23456, retrieval_accuracy=0.875)
+    lora.params["lora"]["rank"] = lora.env["lora_rank"] = 16
+    lora.params["optim"]["lr"] = 2e-4
+    rows, notes = report.build_rows([lora])
+    assert notes == []
+    assert report.render_table(rows, []).splitlines()[2].endswith(
+        "| 19,876 | 8 (1/GPU) | 0.0002 | 16 | 1.2346 | 87.5 |")
+
+
+def test_exp_show_with_headline_metric_reads_detail_at_revision(exp_show, params):
+    """Since metrics/headline.json is the declared metric, exp show has no train.json: the detail
+    files are read at the revision (git show REV:metrics/train.json; the workspace's own files)."""
+    run = gpu_run(params, eval_loss=2.5)
+    rec = copy.deepcopy(exp_show[1])
+    rec["experiments"] = None
+    rec["data"]["params"]["params.yaml"]["data"] = run.params
+    rec["data"]["metrics"] = {"metrics/headline.json": {"data": {"status": "complete"}}}
+    asked = []
+
+    def detail(rev, path):
+        asked.append((rev, path))
+        return {"metrics/train.json": run.train, "metrics/env.json": run.env}[path]
+
+    runs, notes = report.runs_from_exp_show([rec], detail=detail)
+    assert notes == [] and asked == [(rec["rev"], "metrics/train.json"),
+                                     (rec["rev"], "metrics/env.json")]
+    rows, _ = report.build_rows(runs)
+    assert rows[0].eval_loss == 2.5 and rows[0].device == "H200"
+    runs, notes = report.runs_from_exp_show([rec], detail=lambda rev, path: {})
+    assert runs == [] and notes == ["master (0058e7b): no metrics/train.json (not run)"]
 
 
 def test_shipped_bench_results_render():

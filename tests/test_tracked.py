@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from longft.config.params import NOTHING_TO_TRACK, Config, ConfigError, from_dict, merge, to_dict
-from longft.data.tracked import check_tracked, untracked
+from longft.data.tracked import check_tracked, left_to_git, untracked
 from venv_shell import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +56,32 @@ def test_a_local_file_or_dir_must_be_covered_by_its_track_entry(tmp_path, monkey
     monkeypatch.chdir(REPO)
     assert untracked(from_dict({"model": {"name": "configs/models/tiny-llama.json",
                                           "tokenizer": "configs/tokenizers/byte"}})) == []
+
+
+def test_a_local_input_git_would_commit_is_refused_with_dvc_add(tmp_path, monkeypatch):
+    """Issue 36: `dvc exp run` commits what git does not ignore; a local model or data file must be
+    `dvc add`ed (git-ignored) or already in git, never committed by the experiment."""
+    monkeypatch.chdir(tmp_path)
+    subprocess.run(["git", "init", "-q"], check=True)
+    (tmp_path / "mydata").mkdir()
+    (tmp_path / "mydata" / "train.jsonl").write_text(records(2))
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "model.safetensors").write_bytes(b"x" * 10)
+    raw = {"data": {"source": "jsonl", "path": "mydata/train.jsonl"},
+           "model": {"source": "pretrained", "name": "models/m"},
+           "track": {"data": "mydata/train.jsonl", "model": "models/m"}}
+    cfg = from_dict(raw)
+    assert untracked(cfg) == []
+    problems = left_to_git(cfg)
+    assert [p.split(":")[0] for p in problems] == ["data.path", "model.name"]
+    assert "`dvc add models/m`" in problems[1] and "models/m/model.safetensors" in problems[1]
+    with pytest.raises(ConfigError, match="dvc add mydata/train.jsonl"):
+        check_tracked(cfg, {"DVC_ROOT": str(tmp_path)})
+    (tmp_path / "models" / ".gitignore").write_text("/m\n")  # what `dvc add models/m` writes
+    subprocess.run(["git", "add", "mydata"], check=True)  # a small file the user keeps in git
+    assert left_to_git(cfg) == []
+    monkeypatch.chdir(tmp_path / "models")  # not a problem of its own outside the tree
+    assert left_to_git(from_dict({})) == []
 
 
 def sh(*cmd, cwd, check=True):

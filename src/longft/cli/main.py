@@ -1,8 +1,9 @@
-"""The `longft` command: results tables, sweeps and memory estimates.
+"""The `longft` command: results tables, sweeps, samples of the finetuned model and memory estimates.
 
     longft report [--from-json DIR | --exp-json FILE] [-A] [--names] [--out FILE] [--plots DIR]
     longft report --from-json DIR --grid GRID.yaml [--grid ...] [--out FILE] [--plots DIR]
     longft sweep GRID.yaml [--only GLOB ...] [--dry-run] [--run | --overlays DIR]
+    longft generate [--prompt TEXT ...] [--held-out N] [--max-new-tokens N] [--export DIR]
     longft estimate | plan | max-context ...   (longft.cli.estimate; `longft plan --help`)
 
 Installed as a console script by `pip install -e .`; `python -m longft.cli ...` works too.
@@ -47,6 +48,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from longft.generate import command as generate
     from longft.metrics import report
     from longft.run import sweep
 
@@ -54,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module, handler, summary in (
             ("report", report, _report, "results table and plots over DVC experiments or bench results"),
-            ("sweep", sweep, sweep.run, "queue a grid of runs as DVC experiments")):
+            ("sweep", sweep, sweep.run, "queue a grid of runs as DVC experiments"),
+            ("generate", generate, generate.run,
+             "sample from the exported model on prompts or held-out records")):
         sp = sub.add_parser(name, help=summary, description=module.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sp)

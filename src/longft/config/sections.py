@@ -284,7 +284,8 @@ class TrackConfig:
     the stages that read them (`${track.data}` ...), so editing the file or directory re-runs them.
     DVC cannot make a dep of a null param, hence these separate fields; the placeholder (nothing
     to track) is a shipped file. The prepare stage refuses to run while a local data.path,
-    model.name or model.tokenizer is not covered by its entry (data/tracked.py)."""
+    model.name or model.tokenizer is not covered by its entry, or has files git would commit
+    (`dvc add PATH` first; data/tracked.py)."""
 
     data: str = NOTHING_TO_TRACK
     """data.path when it is a local file or directory (jsonl, parquet, a save_to_disk dataset), or

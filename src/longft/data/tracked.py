@@ -10,11 +10,17 @@ max-context --confirm`, a stage by hand), nothing is tracked anyway, and it only
 Covered: the entry is the path itself or a directory above it. Not local (nothing to track): a
 hub id or dataset name, configs/models and configs/tokenizers (already deps of every stage that
 reads them).
+
+Kept out of git: `dvc exp run` commits every file git does not ignore into the experiment's ref,
+so a local input with files that are neither git-ignored nor already in git (a model's
+safetensors, say) is refused the same way, with `dvc add PATH` as the fix: DVC then keeps it in
+its cache and writes PATH.dvc and a .gitignore entry.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 from longft.config.params import Config, ConfigError
@@ -60,10 +66,35 @@ def untracked(cfg: Config) -> list[str]:
     return problems
 
 
+def git_would_add(path: Path) -> list[str]:
+    """Files under path that neither git ignores nor git has (`git add -A` would add them); []
+    outside a git work tree or without git."""
+    try:
+        p = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "-z", "--",
+                            str(path)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [f for f in p.stdout.split("\0") if f] if p.returncode == 0 else []
+
+
+def left_to_git(cfg: Config) -> list[str]:
+    """One problem per local input that `dvc exp run` would commit to git, with the fix."""
+    problems = []
+    for _, param, path in local_inputs(cfg):
+        files = git_would_add(path)
+        if files:
+            problems.append(
+                f"{param}: {str(path)!r} has {len(files)} file(s) that git neither ignores nor has "
+                f"(e.g. {files[0]}), so `dvc exp run` would commit them to git; track it with DVC: "
+                f"`dvc add {path}` (then `git add {path}.dvc` and the .gitignore it writes)")
+    return problems
+
+
 def check_tracked(cfg: Config, env=os.environ) -> list[str]:
     """Inside a DVC stage (DVC_ROOT set): raise a ConfigError listing every local input that is
-    not a DVC dependency. Outside DVC: return those problems as notes to print."""
-    problems = untracked(cfg)
+    not a DVC dependency or would be committed to git. Outside DVC: return those problems as
+    notes to print."""
+    problems = untracked(cfg) + left_to_git(cfg)
     if problems and env.get("DVC_ROOT"):
         raise ConfigError(problems)
     return problems

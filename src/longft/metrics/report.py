@@ -1,6 +1,7 @@
 """`longft report`: the reference study's results table (Setup | Model | Context Length | Peak VRAM
-(MiB) | Peak DRAM (GiB) | Throughput (token/s) | Batch Size) over many runs, plus PNG plots of
-throughput and peak memory against context length and against GPU count.
+(MiB) | Peak DRAM (GiB) | Throughput (token/s) | Batch Size), with the run's quality beside its
+cost (LR | LoRA Rank | Eval Loss | Retrieval (%)), over many runs, plus PNG plots of throughput and
+peak memory against context length and against GPU count.
 
     longft report                                    # workspace, HEAD and its experiments
     longft report -A --out results.md --plots plots  # every commit and its experiments
@@ -11,8 +12,10 @@ throughput and peak memory against context length and against GPU count.
     longft report --from-json bench/results --grid bench/grids/q1.yaml --plots plots
                                                      # one grid's findings (metrics/grid_report.py)
 
-Runs come from `dvc exp show --json` (params.yaml and the metrics metrics/train.json and
-metrics/env.json of each revision) or from bench result files ({"params", "train", "env"}). A run
+Runs come from `dvc exp show --json` (params.yaml of each revision; its detail files
+metrics/train.json and metrics/env.json, outputs committed with the run, read from git at that
+revision, or from the exp-show metrics of runs made before metrics/headline.json was the declared
+metric) or from bench result files ({"params", "train", "env"}). A run
 is left out, with a note line under the table, when it is queued, running or failed, has no
 metrics, did not complete, or has metrics that belong to other params (a stale workspace, say).
 DVC drops null metrics (peak VRAM on CPU, say), so a missing value reads as unknown.
@@ -34,10 +37,15 @@ from longft.atomic import write_text
 from longft.config.params import Config, ConfigError, from_dict
 
 COLUMNS = ("Setup", "Model", "Context Length", "Peak VRAM (MiB)", "Peak DRAM (GiB)",
-           "Throughput (token/s)", "Batch Size")
+           "Throughput (token/s)", "Batch Size", "LR", "LoRA Rank", "Eval Loss", "Retrieval (%)")
+NUMERIC = 9
+"""The last NUMERIC columns (Context Length on) are right-aligned."""
 DEFINITIONS = ("Peak VRAM: torch max allocated on the busiest GPU. Peak DRAM: RSS of the whole "
                "process tree (launcher and ranks). Throughput: non-padding tokens per second over "
-               "all GPUs, warm-up steps excluded. Batch Size: sequences per optimizer step.")
+               "all GPUs, warm-up steps excluded. Batch Size: sequences per optimizer step. "
+               "LR: optim.lr; LoRA Rank: 0 = full-parameter. Eval Loss: held-out loss after the "
+               "last step. Retrieval: held-out citation accuracy on the synthetic task.")
+DETAIL = ("metrics/train.json", "metrics/env.json")
 PLOT_FILES = ("by_context_length.png", "by_gpu_count.png")
 
 
@@ -68,6 +76,11 @@ class Row:
     global_batch: int
     micro_batch: int
     accum: int
+    lr: Optional[float] = None
+    lora_rank: int = 0
+    eval_loss: Optional[float] = None
+    retrieval: Optional[float] = None
+    """Held-out citation accuracy, 0..1 (None: no synthetic held-out split)."""
 
     @property
     def setup(self) -> str:
@@ -82,7 +95,24 @@ def _metric(data: dict, path: str) -> dict:
     return got if isinstance(got, dict) else {}
 
 
-def _revision(rec: dict, name: str, state: Optional[str], notes: list[str]) -> Optional[Run]:
+def git_detail(rev: str, path: str) -> dict:
+    """A detail JSON of the run at `rev` ("workspace": the file here), {} when absent."""
+    try:
+        if rev == "workspace":
+            text = Path(path).read_text()
+        else:
+            p = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+            if p.returncode:
+                return {}
+            text = p.stdout
+        got = json.loads(text)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _revision(rec: dict, name: str, state: Optional[str], notes: list[str],
+              detail=git_detail) -> Optional[Run]:
     rev = rec.get("rev") or "?"
     label = name if rev == "workspace" or name == rev[:7] else f"{name} ({rev[:7]})"
     data = rec.get("data") or {}
@@ -92,29 +122,33 @@ def _revision(rec: dict, name: str, state: Optional[str], notes: list[str]) -> O
     if rec.get("error"):
         notes.append(f"{label}: {rec['error'].get('msg') or 'error'}")
         return None
-    train = _metric(data, "metrics/train.json")
+    # runs before metrics/headline.json have their detail as exp-show metrics; later ones in git
+    train, env = (_metric(data, p) for p in DETAIL)
+    if not train and _metric(data, "metrics/headline.json"):
+        train, env = (detail(rev, p) for p in DETAIL)
     if not train:
         notes.append(f"{label}: no metrics/train.json (not run)")
         return None
     params = ((data.get("params") or {}).get("params.yaml") or {}).get("data") or {}
-    return Run(label, params, train, _metric(data, "metrics/env.json"))
+    return Run(label, params, train, env)
 
 
-def runs_from_exp_show(records: list[dict]) -> tuple[list[Run], list[str]]:
+def runs_from_exp_show(records: list[dict], detail=git_detail) -> tuple[list[Run], list[str]]:
     """Runs of a `dvc exp show --json` output (workspace, commits and their experiments), and
     a note for each revision left out. A run carried unchanged through several revisions (the
-    workspace of a clean checkout, a commit of an applied experiment) is listed once."""
+    workspace of a clean checkout, a commit of an applied experiment) is listed once.
+    detail(rev, path) reads a detail JSON of a revision (default: git, in this directory)."""
     runs: list[Run] = []
     notes: list[str] = []
     for base in records:
         rev = base.get("rev") or "?"
         name = "workspace" if rev == "workspace" else base.get("name") or rev[:7]
-        found = [_revision(base, name, None, notes)]
+        found = [_revision(base, name, None, notes, detail)]
         for exp in base.get("experiments") or []:
             state = (exp.get("executor") or {}).get("state")
             for rec in (exp.get("revs") or [])[:1]:  # revs[0] is the experiment's last commit
                 found.append(_revision(rec, exp.get("name") or rec.get("name")
-                                       or (rec.get("rev") or "?")[:7], state, notes))
+                                       or (rec.get("rev") or "?")[:7], state, notes, detail))
         runs += [r for r in found if r is not None]
     # The workspace goes last, so that the commit or experiment whose run it shows is named.
     seen: dict[str, Run] = {}
@@ -222,7 +256,9 @@ def to_row(run: Run) -> Row | str:
                dram_gib=_num((run.train.get("peak_dram") or {}).get("rss_tree_gib")),
                tokens_per_s=_num(run.train.get("tokens_per_s")),
                global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
-               accum=cfg.grad_accum_steps)
+               accum=cfg.grad_accum_steps, lr=cfg.optim.lr, lora_rank=cfg.lora.rank,
+               eval_loss=_num(run.train.get("eval_loss")),
+               retrieval=_num(run.train.get("retrieval_accuracy")))
 
 
 def build_rows(runs: list[Run]) -> tuple[list[Row], list[str]]:
@@ -257,12 +293,14 @@ def render_table(rows: list[Row], notes: list[str], source: str = "",
     one line per run left out."""
     head = (("Run",) if names else ()) + COLUMNS
     lines = ["| " + " | ".join(head) + " |",
-             "|" + "---|" * (len(head) - 5) + "---:|" * 5]
+             "|" + "---|" * (len(head) - NUMERIC) + "---:|" * NUMERIC]
     for r in rows:
         cells = ((r.name,) if names else ()) + (
             r.setup, r.model, str(r.seq_len),
             _fmt(None if r.vram_gib is None else r.vram_gib * 1024, ",.0f"),
-            _fmt(r.dram_gib, ".1f"), _fmt(r.tokens_per_s, ",.0f"), _batch(r))
+            _fmt(r.dram_gib, ".1f"), _fmt(r.tokens_per_s, ",.0f"), _batch(r),
+            _fmt(r.lr, "g"), str(r.lora_rank), _fmt(r.eval_loss, ".4f"),
+            _fmt(None if r.retrieval is None else 100 * r.retrieval, ".1f"))
         lines.append("| " + " | ".join(cells) + " |")
     if not rows:
         lines.append("| no complete runs |" + " |" * (len(head) - 1))

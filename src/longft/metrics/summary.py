@@ -24,6 +24,11 @@ Aggregation (warm-up steps, `timed: false`, are left out of every speed number):
                  Otherwise "incomplete" (not a valid result), with the numbers of the steps done;
                  end_status says why: "interrupted" (stop_signal SIGINT/SIGTERM: stopped after a
                  step, checkpoint written, resumable), "failed", or null (killed; no end record).
+
+Outputs: metrics/headline.json is DVC's declared metric: the few numbers runs are compared by
+(HEADLINE, short keys so that `dvc exp show` stays narrow); train.json and env.json are the detail
+(every number above, the environment), plain outputs, not metrics: nothing run-specific (ports,
+times, paths) reaches `dvc metrics diff` or `dvc exp show`.
 """
 
 from __future__ import annotations
@@ -48,7 +53,10 @@ from longft.metrics.rank_logs import RankLog, read_json, read_ranks
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
-LOSS_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "iter_latency_s", "grad_norm", "epoch")
+LOSS_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "iter_latency_s", "grad_norm", "epoch",
+                "vram_alloc_gib")
+"""metrics/loss.csv, one row per step; vram_alloc_gib: torch max allocated of the busiest rank
+(empty on CPU)."""
 
 
 def _num(x: Any) -> Optional[float]:
@@ -114,6 +122,7 @@ def _step_rows(ranks: dict[int, RankLog]) -> list[dict]:
             "timed": all(x.get("timed") is True for x in recs),
             "skipped": any(x.get("skipped") is True for x in recs),
             "t": _max(_num(x.get("t")) for x in recs), **phases,
+            "vram_alloc_gib": _gib(_max(_num(x.get("max_allocated_bytes")) for x in recs)),
         })
     return rows
 
@@ -283,6 +292,34 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
 
 # -- outputs -----------------------------------------------------------------------------------
 
+HEADLINE = {
+    "status": "complete | incomplete",
+    "tok_s": "tokens/s, non-padding, all GPUs, warm-up excluded (train.json tokens_per_s)",
+    "mfu": "model FLOPs utilisation, 0..1 (null on CPU or an unknown GPU)",
+    "vram_gib": "peak VRAM, torch max allocated on the busiest GPU (null on CPU)",
+    "ram_gib": "peak host RAM, RSS of the run's process tree",
+    "loss": "training loss of the last step",
+    "eval_loss": "held-out eval loss after the last step",
+    "retrieval": "held-out retrieval score (synthetic task, teacher-forced citation), 0..1",
+    "epochs": "passes over the prepared rows",
+}
+"""metrics/headline.json: key -> meaning. DVC drops null values, so a column a run cannot measure
+(VRAM on CPU) is absent rather than "-"."""
+
+
+def headline(train: dict) -> dict:
+    """The declared DVC metrics of a run (HEADLINE) from its train.json."""
+    return {"status": train.get("status"),
+            "tok_s": _r(train.get("tokens_per_s"), 1),
+            "mfu": train.get("mfu"),
+            "vram_gib": (train.get("peak_vram") or {}).get("max_allocated_gib"),
+            "ram_gib": (train.get("peak_dram") or {}).get("rss_tree_gib"),
+            "loss": (train.get("loss") or {}).get("last"),
+            "eval_loss": train.get("eval_loss"),
+            "retrieval": train.get("retrieval_accuracy"),
+            "epochs": train.get("epochs")}
+
+
 def _json_safe(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None
@@ -304,8 +341,8 @@ def _csv_text(header, rows) -> str:
 
 def write_outputs(metrics_dir: Path, train: dict, env: dict, loss_rows: list[dict],
                   run_dir: Path) -> list[Path]:
-    """Write train.json, env.json, loss.csv, memory.csv, memory.png and report.md (each
-    atomically; all of them always, so DVC finds every declared output)."""
+    """Write headline.json, train.json, env.json, loss.csv, memory.csv, memory.png and report.md
+    (each atomically; all of them always, so DVC finds every declared output)."""
     metrics_dir, run_dir = Path(metrics_dir), Path(run_dir)
     mon = _monitor(run_dir)
     header, raw = read_timeline(run_dir / "memory.csv")
@@ -320,6 +357,7 @@ def write_outputs(metrics_dir: Path, train: dict, env: dict, loss_rows: list[dic
         title += f"  {env['gpu_name']}"
 
     out = {
+        "headline.json": json.dumps(_json_safe(headline(train)), indent=2, allow_nan=False) + "\n",
         "train.json": json.dumps(_json_safe(train), indent=2, allow_nan=False) + "\n",
         "env.json": json.dumps(_json_safe(env), indent=2, allow_nan=False, default=str) + "\n",
         "loss.csv": _csv_text(LOSS_COLUMNS, [[r.get(c) for c in LOSS_COLUMNS] for r in loss_rows]),

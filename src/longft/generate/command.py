@@ -1,0 +1,123 @@
+"""`longft generate`: sample from the exported model (export/) to see what the finetune learned.
+
+    longft generate                                  # 3 held-out records of data/prepared
+    longft generate --prompt "Summarise: ..." --prompt "..."
+    longft generate --held-out 5 --max-new-tokens 64 --device cpu
+    longft generate --export export --temperature 0.7 --seed 1
+
+Each prompt goes through the model's chat template (a user turn and the assistant's generation
+prompt), as in training. Held-out records (data.eval_samples, never trained on) are cut where
+their trained answer starts and printed with that answer as the reference. Greedy decoding unless
+--temperature > 0. Runs on the GPU when there is one, else on the CPU (--device picks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from longft.errors import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--export", type=Path, default=Path("export"), metavar="DIR",
+                   help="the exported model (default: export, the train stage's output)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a user message to answer; repeat for several (default: held-out records)")
+    p.add_argument("--held-out", type=int, default=None, metavar="N",
+                   help="answer the first N held-out records of --data (default 3 without --prompt)")
+    p.add_argument("--data", type=Path, default=Path("data/prepared"), metavar="DIR",
+                   help="the prepared dataset whose eval/ split --held-out reads")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; > 0: sample at this temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
+    p.add_argument("--seed", type=int, default=0, help="with --temperature > 0")
+    p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
+    p.add_argument("--show-prompt-chars", type=int, default=300, metavar="N",
+                   help="print the last N characters of each prompt (0: none)")
+    p.add_argument("--json", type=Path, metavar="FILE",
+                   help="also write [{name, prompt, reference, output}] here")
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def generate(export, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0) -> list[int]:
+    """The new token ids the model writes after prompt_ids (stops at the end-of-turn token)."""
+    import torch
+
+    model, tok = export.model, export.tokenizer
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
+    kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, **kw)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def _check(args: argparse.Namespace) -> None:
+    problems = []
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.held_out is not None and args.held_out < 1:
+        problems.append(f"--held-out must be >= 1, got {args.held_out}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        problems.append("--temperature must be >= 0 and --top-p in (0, 1]")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def run(args: argparse.Namespace) -> int:
+    from longft.generate.loading import load_export
+    from longft.generate.prompts import chat_prompt, held_out_prompts
+
+    try:
+        _check(args)
+        export = load_export(args.export, _device(args.device))
+        tok = export.tokenizer
+        prompts = [chat_prompt(tok, text, f"prompt {i}") for i, text in enumerate(args.prompt)]
+        if args.held_out or not prompts:
+            prompts += held_out_prompts(args.data, args.held_out or 3)
+        if not prompts:
+            raise UserError(f"{args.data}/eval: no held-out record has a prompt part (text records "
+                            "are trained from their first token); give prompts with --prompt")
+    except UserError as e:
+        print(f"longft generate: {e}", file=sys.stderr)
+        return 2
+    if args.temperature > 0:
+        import torch
+
+        torch.manual_seed(args.seed)
+    info = export.info
+    print(f"longft generate: {args.export}/ ({export.kind}, {info.get('model')}, step "
+          f"{info.get('steps')}) on {export.model.device}, "
+          + ("greedy" if args.temperature == 0 else f"temperature {args.temperature}"), flush=True)
+    results = []
+    for p in prompts:
+        new = generate(export, p.ids, args.max_new_tokens, args.temperature, args.top_p)
+        res = {"name": p.name, "prompt": tok.decode(p.ids),
+               "reference": None if p.reference is None
+               else tok.decode(p.reference, skip_special_tokens=True),
+               "output": tok.decode(new, skip_special_tokens=True)}
+        results.append(res)
+        print(f"\n### {p.name} ({len(p.ids)} prompt tokens)")
+        if args.show_prompt_chars:
+            print("... " + res["prompt"][-args.show_prompt_chars:])
+        if res["reference"] is not None:
+            print(f"--- reference\n{res['reference']}")
+        print(f"--- generated ({len(new)} tokens)\n{res['output']}", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0

@@ -1,0 +1,70 @@
+"""The exported model of a run (engine/export.py) and its tokenizer, ready to generate.
+
+export/longft_export.json says what export/ holds: "full" or "lora_merged" (a Hugging Face model
+that `from_pretrained` loads) or "lora_adapter" (a peft adapter, loaded onto the base model its
+adapter_config.json names: the model.name of the run).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from longft.errors import UserError
+
+MARKER = "longft_export.json"
+
+
+class ExportMissingError(UserError, FileNotFoundError):
+    """No usable exported model where one was asked for; the message says how to get one."""
+
+
+@dataclass(frozen=True)
+class Export:
+    model: object
+    tokenizer: object
+    kind: str
+    """full | lora_merged | lora_adapter"""
+    info: dict
+    """longft_export.json: model, source, steps, lora_rank, kind."""
+
+
+def read_info(export_dir: Path) -> dict:
+    """longft_export.json of export_dir, or ExportMissingError with the fix."""
+    export_dir = Path(export_dir)
+    fix = ("run the pipeline with output.export: true (`dvc repro`, or `dvc exp run` and `dvc exp "
+           "apply NAME`), or pass --export DIR")
+    if not export_dir.is_dir():
+        raise ExportMissingError(f"{export_dir}/ does not exist: no exported model; {fix}")
+    try:
+        info = json.loads((export_dir / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise ExportMissingError(f"{export_dir}/ is not a longft export (no readable {MARKER}: "
+                                 f"{type(e).__name__}); {fix}") from None
+    if not isinstance(info, dict) or info.get("kind") not in ("full", "lora_merged", "lora_adapter"):
+        raise ExportMissingError(f"{export_dir}/{MARKER}: unknown export kind "
+                                 f"{info.get('kind') if isinstance(info, dict) else info!r}; {fix}")
+    return info
+
+
+def load_export(export_dir: Path, device: str = "cpu") -> Export:
+    """The exported model (eval mode, on `device`) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export_dir = Path(export_dir)
+    info = read_info(export_dir)
+    if info["kind"] == "lora_adapter":
+        if info.get("source") == "random":
+            raise ExportMissingError(
+                f"{export_dir}/ holds a LoRA adapter of a random-init model, whose base weights "
+                "were never saved; export the merged model instead (output.export_lora: merged)")
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(export_dir))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(export_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(export_dir))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return Export(model.to(device).eval(), tokenizer, info["kind"], info)

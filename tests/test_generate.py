@@ -1,0 +1,105 @@
+"""`longft generate` (issue 36): samples from the exported model, a full one or a LoRA adapter on its
+base, on prompts (through the chat template) or held-out records, greedy by default, on the CPU; a
+clear error without export/. Tiny models saved with save_pretrained, as engine/export.py does."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from longft.cli import main as cli
+from longft.config.params import Config, from_dict
+from longft.generate import ExportMissingError, chat_prompt, held_out_prompts, load_export
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_model(byte_tokenizer, out: Path, kind="full", **info):
+    """A random tiny Llama and the byte tokenizer saved like an export (kind: full)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(REPO / "configs/models/tiny-llama.json")
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    byte_tokenizer.save_pretrained(out)
+    (out / "longft_export.json").write_text(json.dumps(
+        {"model": "tiny", "source": "pretrained", "steps": 3, "lora_rank": 0, "kind": kind, **info}))
+    return model
+
+
+def test_prompt_goes_through_the_chat_template_and_greedy_is_repeatable(tmp_path, byte_tokenizer,
+                                                                          capsys):
+    tiny_model(byte_tokenizer, tmp_path / "export")
+    p = chat_prompt(byte_tokenizer, "Where is doc 3?")
+    text = byte_tokenizer.decode(p.ids)
+    assert "<|start_header_id|>user<|end_header_id|>" in text and "Where is doc 3?" in text
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")  # the answer is next
+
+    args = ["generate", "--export", str(tmp_path / "export"), "--prompt", "Where is doc 3?",
+            "--max-new-tokens", "5", "--device", "cpu"]
+    outs = []
+    for i in range(2):
+        assert cli.main(args + ["--json", str(tmp_path / f"out{i}.json")]) == 0
+        outs.append(json.loads((tmp_path / f"out{i}.json").read_text()))
+    assert outs[0] == outs[1] and outs[0][0]["name"] == "prompt 0"  # greedy: the same text twice
+    assert outs[0][0]["reference"] is None and "Where is doc 3?" in outs[0][0]["prompt"]
+    printed = capsys.readouterr().out
+    assert "(full, tiny, step 3) on cpu, greedy" in printed and "--- generated (" in printed
+
+
+def test_held_out_records_are_cut_before_the_answer(tmp_path, byte_tokenizer, monkeypatch):
+    from longft.data.prepare import prepare
+
+    monkeypatch.chdir(REPO)  # configs/ of the default tiny model and byte tokenizer
+    cfg = from_dict({"data": {"num_samples": 2, "eval_samples": 2, "max_seq_length": 1024}})
+    prepare(cfg, tmp_path / "prepared")
+    prompts = held_out_prompts(tmp_path / "prepared", 5)
+    assert [p.name for p in prompts] == ["held-out 0", "held-out 1"]
+    for p in prompts:
+        prompt, ref = byte_tokenizer.decode(p.ids), byte_tokenizer.decode(p.reference)
+        assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert ref.startswith("The ") and "[doc " in ref  # the synthetic task's answer
+    tiny_model(byte_tokenizer, tmp_path / "export")
+    assert cli.main(["generate", "--export", str(tmp_path / "export"), "--data",
+                     str(tmp_path / "prepared"), "--held-out", "1", "--max-new-tokens", "3",
+                     "--json", str(tmp_path / "o.json")]) == 0
+    got = json.loads((tmp_path / "o.json").read_text())
+    assert len(got) == 1 and got[0]["reference"].startswith("The ")
+
+
+def test_lora_adapter_is_loaded_on_its_base(tmp_path, byte_tokenizer):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    tiny_model(byte_tokenizer, tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")  # a pretrained run's base
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(tmp_path / "export")  # adapter_config names tmp_path/base
+    byte_tokenizer.save_pretrained(tmp_path / "export")
+    (tmp_path / "export" / "longft_export.json").write_text(json.dumps(
+        {"model": str(tmp_path / "base"), "source": "pretrained", "steps": 1, "lora_rank": 4,
+         "kind": "lora_adapter"}))
+    export = load_export(tmp_path / "export")
+    assert isinstance(export.model, PeftModel) and export.kind == "lora_adapter"
+    assert cli.main(["generate", "--export", str(tmp_path / "export"), "--prompt", "hi",
+                     "--max-new-tokens", "2"]) == 0
+    # an adapter of a random-init base cannot be loaded: its base weights were never saved
+    info = json.loads((tmp_path / "export" / "longft_export.json").read_text())
+    (tmp_path / "export" / "longft_export.json").write_text(json.dumps({**info, "source": "random"}))
+    with pytest.raises(ExportMissingError, match="output.export_lora: merged"):
+        load_export(tmp_path / "export")
+
+
+def test_missing_export_and_bad_options_are_clear_errors(tmp_path, capsys):
+    assert cli.main(["generate", "--export", str(tmp_path / "export"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "export/ does not exist: no exported model" in err and "output.export: true" in err
+    assert "Traceback" not in err
+    (tmp_path / "export").mkdir()
+    assert cli.main(["generate", "--export", str(tmp_path / "export"), "--prompt", "x"]) == 2
+    assert "is not a longft export (no readable longft_export.json" in capsys.readouterr().err
+    assert cli.main(["generate", "--max-new-tokens", "0", "--prompt", "x"]) == 2
+    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+    assert Config().output.export  # the default pipeline exports what this reads
