@@ -194,8 +194,10 @@ def test_qlora_follows_lora_and_exports_an_adapter_and_a_merged_model(tmp_path, 
     ids = torch.randint(1, 250, (1, 48))
     with torch.no_grad():
         want = tuned(ids).logits
-        torch.testing.assert_close(merged.eval()(ids).logits, want, rtol=0, atol=2e-2)
-        assert not torch.allclose(deq.float()(ids).logits, want, atol=1e-2)  # training moved it
+        merge_err = (merged.eval()(ids).logits - want).abs().max()
+        moved = (deq.float()(ids).logits - want).abs().max()
+    assert merge_err < 2e-2  # the merged weights are stored in bf16
+    assert moved > 3 * merge_err, (moved, merge_err)  # what training moved, well above that
 
 
 @pytest.mark.slow
@@ -206,10 +208,12 @@ def test_qlora_resume_is_exact(tmp_path, byte_tokenizer):
     work = tmp_path / "run"
     ref, _ = _run(work, base_dir, {"lora": {"quantize": "nf4"},
                                    "output": {"checkpoint_every": 2, "keep_last": 3}})
-    steps = sorted(work.glob("checkpoints/**/step-*"))
-    assert [p.name for p in steps] == ["step-2", "step-4", "step-6"]
-    for p in steps[1:]:  # as if the run had died after step 3: resume from step-2
-        shutil.rmtree(p)
+    steps = sorted(p for p in work.glob("checkpoints/**/step-*") if p.is_dir())
+    assert [p.name for p in steps] == ["step-2", "step-4"]  # the periodic ones (not the last step)
+    shutil.rmtree(steps[1])  # as if the run had died in step 5 before its checkpoint: step-2
+    module = torch.load(next(steps[0].glob("mp_rank_*_model_states.pt")), weights_only=False)["module"]
+    assert any("lora_A" in k for k in module)
+    assert not any(k.endswith("q_proj.base_layer.weight") for k in module)  # the frozen base is not saved
     out = run_stage("train", stage_commands(work / "params.yaml", work)["train"])
     assert "step-2" in out
     rows = [json.loads(x) for x in (work / "run" / "rank0.jsonl").read_text().splitlines()]

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from longft.config.params import Config, to_dict
 from longft.errors import UserError
+from longft.model.quantize import has_quantized_layers
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -251,8 +252,10 @@ def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_stat
                 shutil.rmtree(d, ignore_errors=True)
     dist.barrier()
     try:
+        # QLoRA: the frozen 4/8-bit base is rebuilt from the model on resume, not saved each time
         engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=client_state,
-                               save_latest=False)
+                               save_latest=False,
+                               exclude_frozen_parameters=has_quantized_layers(engine.module))
     except Exception as e:
         # A rank that fails here exits; the launcher then stops the ranks waiting in the barrier.
         if _write_failed(e):
@@ -285,7 +288,11 @@ def resume(engine, ckpt_dir: Path, fp: str, log) -> tuple[int, dict]:
         verify(ckpt_dir / f"step-{step}")
         try:
             with weights_only(engine):
-                path, client = engine.load_checkpoint(str(ckpt_dir), tag=f"step-{step}")
+                # QLoRA: the frozen base is not in the checkpoint, and bitsandbytes' quantization
+                # state beside it is not a parameter torch's strict load can take
+                path, client = engine.load_checkpoint(
+                    str(ckpt_dir), tag=f"step-{step}",
+                    load_module_strict=not has_quantized_layers(engine.module))
         except CheckpointError:
             raise
         except Exception as e:  # a corrupted checkpoint: say so and fall back to the one before

@@ -69,6 +69,11 @@ def quantize_linears(model, names: tuple[str, ...], kind: str, compute_dtype, de
     return count
 
 
+def has_quantized_layers(model) -> bool:
+    """Whether any layer of `model` is a bitsandbytes quantized one (without importing it)."""
+    return any(type(m).__module__.startswith("bitsandbytes.") for m in model.modules())
+
+
 def is_quantized(module) -> bool:
     bnb = _bnb()
     return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
