@@ -224,7 +224,7 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                       lr_scheduler=ds_config.lr_scheduler(cfg), mpu=mpu)
-    fp = checkpoint.fingerprint(cfg)
+    fp = checkpoint.fingerprint(cfg, data_dir)
     start, batches = _resume(engine, cfg, ckpt_dir, fp, loader, sampler, rank)
     if sp is not None:
         batches = sp.shard(batches, pad_id, engine.device)
