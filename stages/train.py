@@ -8,6 +8,9 @@ host memory of the whole process tree.
 Writes runs/train/rank{r}.jsonl (per-step measurements), runs/train/memory.csv and
 runs/train/monitor.json (host/GPU memory timeline and peaks), checkpoints/ when
 output.save_checkpoint is true, and export/ (a Hugging Face checkpoint) when output.export is true.
+Checkpoints of another configuration are moved to checkpoints/other/<fingerprint>/ (with their
+runs/train), never overwritten; a run that ends before its first step leaves runs/train and
+checkpoints/ as they were (src/longft/run/earlier.py).
 
 Ctrl-C / SIGTERM: the ranks finish the current step, write checkpoints/step-<N> and exit; the stage
 exits 130 (SIGINT) or 143 (SIGTERM). After a stopped or failed run, --metrics DIR gets the metrics
