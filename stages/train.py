@@ -8,6 +8,9 @@ host memory of the whole process tree.
 Writes runs/train/rank{r}.jsonl (per-step measurements), runs/train/memory.csv and
 runs/train/monitor.json (host/GPU memory timeline and peaks), checkpoints/ when
 output.save_checkpoint is true, and export/ (a Hugging Face checkpoint) when output.export is true.
+Checkpoints of another configuration are moved to checkpoints/other/<fingerprint>/ (with their
+runs/train), never overwritten; a run that ends before its first step leaves runs/train and
+checkpoints/ as they were (src/longft/run/earlier.py).
 
 Ctrl-C / SIGTERM: the ranks finish the current step, write checkpoints/step-<N> and exit; the stage
 exits 130 (SIGINT) or 143 (SIGTERM). After a stopped or failed run, --metrics DIR gets the metrics
@@ -22,8 +25,9 @@ from pathlib import Path
 
 from longft.config.params import ConfigError, load
 from longft.config.plan import Plan
-from longft.engine.checkpoint import complete_steps, fingerprint
+from longft.engine.trajectory import fingerprint, trajectory
 from longft.errors import UserError
+from longft.run.earlier import Earlier
 from longft.run.launch import command, environment, master_port, run
 from longft.run.preflight import host_memory, writable
 
@@ -91,12 +95,12 @@ def main() -> int:
         print(f"longft train: {e}", file=sys.stderr)
         return 2
     run_dir = Path(a.run)
-    resumable = cfg.output.resume and complete_steps(Path(a.checkpoints), fingerprint(cfg))
-    if resumable:
-        print(f"train: resuming from {a.checkpoints}/step-{resumable[0]} (output.resume)")
-    else:
-        shutil.rmtree(run_dir, ignore_errors=True)  # measurements of an earlier, finished run
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # other configurations' checkpoints kept, this one's resumed, the last run's measurements set
+    # aside until this run completes (run/earlier.py)
+    earlier = Earlier(Path(a.checkpoints) if "--checkpoints" in worker else None, run_dir,
+                      fingerprint(cfg, Path(a.data)))
+    earlier.arrange(trajectory(cfg, Path(a.data)), cfg.output.resume)
+    print("\n".join(earlier.lines), flush=True)
     Path(a.checkpoints).mkdir(parents=True, exist_ok=True)
     Path(a.export).mkdir(parents=True, exist_ok=True)
     print("train:", " ".join(cmd), flush=True)
@@ -108,7 +112,10 @@ def main() -> int:
         # a finished run without an export must not leave an older run's model there as its own
         shutil.rmtree(a.export, ignore_errors=True)
         Path(a.export).mkdir(parents=True, exist_ok=True)
-    if code and a.metrics:
+    note = earlier.finish(code)
+    if note:
+        print(note, flush=True)
+    if code and a.metrics and not earlier.undone:
         partial_metrics(run_dir, Path(a.plan), Path(a.metrics))
     return code
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from longft.config.params import Config, ConfigError, from_dict, to_dict
-from longft.data.errors import BadRecords
+from longft.data.errors import BadRecords, DataError
 from longft.data.packing import fit_sample, split_sample
 from longft.data.prepare import prepare
 from longft.data.store import PreparedDataset
@@ -138,3 +138,28 @@ def test_a_capped_parquet_file_is_counted_from_its_footer_not_read(tmp_path, mon
                                         "num_samples": 10, **NO_EVAL}}), tmp_path / "out")
     assert (stats["records"], stats["records_total"], stats["records_capped"]) == (10, 1000, 990)
     assert len(read) == 11          # the cap's 10 and the one that found the cap reached
+
+
+def test_empty_answers_are_counted_like_bad_records_and_refused_when_nothing_is_left(tmp_path,
+                                                                                      capsys):
+    """Issue 35.5: records whose assistant answers are all empty used to be prepared as trainable
+    (the end-of-turn tokens), with no note."""
+    empty = [{"messages": [{"role": "user", "content": f"question {i}"},
+                           {"role": "assistant", "content": ""}]} for i in range(3)]
+    path = write_jsonl(tmp_path / "empty.jsonl", empty)
+    with pytest.raises(DataError, match="every assistant answer is empty"):
+        prepare(cfg_for(path, num_samples=None), tmp_path / "error")
+    with pytest.raises(DataError, match="no trainable samples"):
+        prepare(cfg_for(path, num_samples=None, on_bad_record="skip"), tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+
+    path = write_jsonl(tmp_path / "some.jsonl", chats(2) + empty)
+    stats = prepare(cfg_for(path, num_samples=None, on_bad_record="skip"), tmp_path / "skip")
+    assert stats["samples"] == 2 and stats["dropped"] == {"empty_answer": 3}
+    assert "3 malformed record(s) skipped (data.on_bad_record: skip): empty_answer 3" in \
+        capsys.readouterr().out
+
+    blank = [{"prompt": "question", "completion": " "}, {"prompt": "q", "completion": "answer"}]
+    path = write_jsonl(tmp_path / "pc.jsonl", blank)
+    stats = prepare(cfg_for(path, num_samples=None, on_bad_record="skip"), tmp_path / "pc")
+    assert stats["samples"] == 1 and stats["dropped"] == {"empty_answer": 1}

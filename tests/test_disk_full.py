@@ -71,7 +71,7 @@ def test_disk_full_mid_checkpoint_keeps_the_previous_one_resumable(tmp_path):
 
     # The half-written step-4 is gone and nothing takes it as complete; step-2 is complete.
     assert sorted(d.name for d in ckpt.iterdir() if d.is_dir()) == ["step-2"]
-    assert complete_steps(ckpt, fingerprint(load(tmp_path / "params.yaml"))) == [2]
+    assert complete_steps(ckpt, fingerprint(load(tmp_path / "params.yaml"), tmp_path / "data")) == [2]
     step2 = digest(ckpt / "step-2")
     rows = [json.loads(x) for x in (tmp_path / "run" / "rank0.jsonl").read_text().splitlines()]
     assert rows[-1]["type"] == "end" and rows[-1]["status"] == "failed"

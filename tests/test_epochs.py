@@ -143,13 +143,14 @@ def test_an_epochs_run_through_the_stages(tmp_path):
     assert [r["epoch"] for r in loss_rows][-1] == pytest.approx(steps / rows, abs=1e-4)
 
 
-def test_checkpoint_fingerprint_ignores_how_long_and_when_to_evaluate():
-    """A run switched from steps to epochs, or to another eval interval, still resumes its
-    checkpoints; a change of the trajectory (the lr) does not."""
+def test_checkpoint_fingerprint_counts_the_total_steps_not_when_to_evaluate():
+    """Another eval interval still resumes its checkpoints; another length of run does not (the
+    cosine schedule spans the total steps: issue 36), nor does another lr."""
     from longft.config.params import from_dict
     from longft.engine.checkpoint import fingerprint
 
     base = fingerprint(from_dict({}))
-    assert fingerprint(from_dict({"train": {"iterations": None, "epochs": 2.0}})) == base
+    assert fingerprint(from_dict({"train": {"iterations": None, "epochs": 2.0}})) != base
+    assert fingerprint(from_dict({"train": {"iterations": 24}})) != base
     assert fingerprint(from_dict({"train": {"eval_every": 5}})) == base
     assert fingerprint(from_dict({"optim": {"lr": 5e-4}})) != base

@@ -191,3 +191,24 @@ def test_gemma2_final_logit_softcap_is_applied_like_the_model_does():
     model.config.final_logit_softcapping = None          # without the cap: a different loss
     sums2, _, _ = _labelled_loss(captured[0], ids, model)
     assert float(sums2[0] / counts[0]) != pytest.approx(float(want), rel=1e-3)
+
+
+def test_a_stop_request_ends_the_evaluation_after_the_micro_batch(prepared):
+    """Issue 35.3: Ctrl-C during the (final) evaluation ends it; every rank asks after every
+    micro-batch (a collective), and nothing is logged as an eval of that step."""
+    out, model = prepared
+    engine = PlainEngine(model)
+    engine.train()
+    ev = Evaluator.open(out, model, rank=0, world=1, micro=1, every=0, packed=False)
+    assert len(ev.data) > 2
+    asked = []
+
+    def stop():
+        asked.append(1)
+        return 2 if len(asked) == 2 else 0  # SIGINT arrives during the second micro-batch
+
+    log = Log()
+    assert ev.final(engine, 5, log, stop) is None
+    assert engine.forwards == 2 and asked == [1, 1]
+    assert log.records == [] and ev.last_step is None
+    assert engine.training and model.training  # back to train mode

@@ -65,3 +65,29 @@ def test_a_free_port_runs_once(tmp_path, capfd):
     assert launch(tmp_path, port, auto_port=True) == 0
     assert (tmp_path / "attempts").read_text().split() == [str(port)]
     assert "rank 0 trained" in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_pinned_port_taken_before_the_ranks_bind_shows_only_longfts_message(tmp_path, taken):
+    """Issue 35.6: the real train stage and deepspeed launcher; the port is free at the stage's
+    check (patched here) and taken when rank 0 binds it: exit 2, longft's message, no traceback."""
+    import subprocess
+
+    import yaml
+
+    from test_resume import setup as make_run  # tests/ is on sys.path under pytest
+
+    work = tmp_path / "w"
+    cmd = make_run(work)
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    params["hardware"]["master_port"] = taken
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    race = ("import runpy, sys; import longft.run.launch as launch; "
+            "launch.port_free = lambda port: True; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", race, *cmd[1:]], capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"the ranks could not bind master port {taken}: another process took it" in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
+    assert "DistNetworkError" not in p.stderr + p.stdout

@@ -66,7 +66,7 @@ def test_a_killed_rank_stops_the_run_promptly_and_the_rerun_resumes(tmp_path):
     run_all(tmp_path / "params.yaml", tmp_path, ("prepare", "patch"))
     cmds = stage_commands(tmp_path / "params.yaml", tmp_path)
     ckpt = tmp_path / "checkpoints"
-    fp = fingerprint(load(tmp_path / "params.yaml"))
+    fp = fingerprint(load(tmp_path / "params.yaml"), tmp_path / "data")
 
     proc = subprocess.Popen(cmds["train"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -268,3 +268,37 @@ def test_ctrl_c_stops_after_the_step_checkpoints_and_resumes_on_the_same_curve(t
     train = json.loads((cut / "metrics" / "train.json").read_text())
     assert train["status"] == "complete" and train["end_status"] == "complete"
     assert train["steps"] == 6
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_final_evaluation_ends_it_skips_the_export_and_exits_130(tmp_path):
+    """Issue 35.3: the eval, the final checkpoint and the export used to run on, exit 0."""
+    import yaml
+
+    work = tmp_path / "w"
+    cmd = make_run(work)
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    params["output"].update(save_checkpoint=True, export=True)  # output.*: no patch needed
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    # the last step is logged: the final evaluation (18 held-out rows) runs now
+    assert _wait_for(lambda: (work / "run" / "rank0.jsonl").is_file() and 6 in losses(work),
+                     timeout=600, proc=proc)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130, out
+    assert "longft: evaluation after step 6 stopped" in out and "eval step 6" not in out
+    assert ("stopped by SIGINT after step 6; the final evaluation, the final checkpoint and the "
+            "export were skipped") in out
+    assert (work / "checkpoints" / "step-6" / "COMPLETE").is_file()
+    assert not (work / "checkpoints" / "final").exists()
+    assert not any((work / "export").iterdir())
+    end = _records(work)[-1]
+    assert end["type"] == "end" and end["status"] == "interrupted" and end["steps"] == 6
+
+    out = run_stage("train", cmd)  # resumes after step 6: the evaluation and the export
+    assert "resumed from" in out and "step-6" in out and "eval step 6" in out
+    assert (work / "export" / "config.json").is_file() and (work / "checkpoints" / "final").is_dir()
+    assert _records(work)[-1]["status"] == "complete"

@@ -70,6 +70,8 @@ def parse_record(obj: Any, fmt: str, where: str) -> Record:
             if not isinstance(obj[key], str):
                 raise _bad(where, f"{key!r} must be a string, got {type(obj[key]).__name__}",
                            "wrong_type")
+        if not obj["completion"].strip():  # only the end-of-text token would be trained on
+            raise _bad(where, "'completion' is empty; nothing to train on", "empty_answer")
         return Record(where, fmt, prompt=obj["prompt"], completion=obj["completion"])
     if fmt == "text":
         if "text" not in obj:
@@ -108,6 +110,9 @@ def _parse_messages(obj: dict, where: str) -> tuple[dict, ...]:
         roles = sorted({m["role"] for m in out})
         raise _bad(where, f"no message with role 'assistant' (roles: {roles}); nothing to train on",
                    "no_assistant")
+    if not any(m["content"].strip() for m in out if m["role"] == "assistant"):
+        # the chat template's end-of-turn tokens would be all it trains on
+        raise _bad(where, "every assistant answer is empty; nothing to train on", "empty_answer")
     return tuple(out)
 
 

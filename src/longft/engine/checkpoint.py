@@ -4,16 +4,18 @@ Layout of checkpoints/:  step-<N>/ (DeepSpeed's files + COMPLETE)  and  final/.
 - A checkpoint is written under `.tmp-step-<N>`, then rank 0 writes COMPLETE into it and renames it
   to `step-<N>` (a rename is atomic): a kill or a full disk mid-write leaves only a `.tmp-` folder,
   which is never resumed from and is removed by the next save.
-- COMPLETE holds the run's fingerprint (a hash of every param that changes the training), so a
-  checkpoint of another configuration is never resumed, and the sha256 of every file of the
-  checkpoint (hashed when it is completed, each rank a share).
+- COMPLETE holds the run's fingerprint (a hash of every param that changes the training
+  trajectory, trajectory.py), so a checkpoint of another configuration is never resumed, and
+  the sha256 of every file of the checkpoint (hashed when it is completed, each rank a share).
 - Resuming loads only what longft wrote: every file's sha256 must match COMPLETE and no file may
   have been added, else the run stops (CheckpointError naming the file: delete the checkpoint or
   set output.resume: false); and DeepSpeed's files are unpickled with torch.load(weights_only=True)
   (tensors, containers and an allow-list of DeepSpeed's own state classes, `safe_globals()`), never
   with full pickle (DeepSpeed 0.19.8 itself passes weights_only=False), so a forged checkpoint
   whose COMPLETE was rewritten to match still runs no code.
-- Only the newest `output.keep_last` step checkpoints are kept.
+- Only the newest `output.keep_last` step checkpoints of this configuration are kept; those of
+  other configurations are moved to other/<fingerprint>/ by the train stage before it starts
+  (run/configurations.py) and left alone.
 - Resume takes the newest complete checkpoint that loads; one that fails to load (corrupted) is
   reported and the one before it is used.
 - A write that fails (disk full: ENOSPC/EDQUOT, or torch's zip writer failing with no space left)
@@ -33,11 +35,12 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from longft.config.params import Config, to_dict
+from longft.engine.trajectory import fingerprint  # noqa: F401 - where callers find it
 from longft.errors import UserError
 from longft.model.quantize import has_quantized_layers
 
 MARKER = "COMPLETE"
+OTHER = "other"  # checkpoints/other/<fingerprint>/: other configurations' checkpoints, kept
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # torch.save's zip writer reports a full disk as a RuntimeError, not as OSError(ENOSPC)
 _ZIP_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|file write failed")
@@ -76,6 +79,10 @@ def _failed(e: BaseException, ckpt_dir: Path, tmp: Path, step: int, fp: str,
             mib = sum(f.stat().st_size for f in (ckpt_dir / f"step-{done[0]}").rglob("*")
                       if f.is_file()) / 2**20
             size = f", {mib:,.0f} MiB each"
+        other = ckpt_dir / OTHER
+        if other.is_dir() and any(other.iterdir()):
+            size += (f"; {other} holds other configurations' checkpoints: delete those you "
+                     f"will not resume")
         what = (f"disk full while writing checkpoint step-{step} in {ckpt_dir}: free space or lower "
                 f"output.keep_last (now {keep_last}; a save needs room for keep_last + 1 "
                 f"checkpoints{size})")
@@ -96,24 +103,6 @@ def disk_full_message(e: BaseException, dirs: list) -> str | None:
             return (f"disk full while writing {name}: free space on {d} and run again (complete "
                     f"periodic checkpoints are kept; a re-run resumes from the newest)")
     return None
-
-
-def fingerprint(cfg: Config) -> str:
-    """Hash of the params that define the training trajectory (not iterations or outputs)."""
-    d = to_dict(cfg)
-    keep = {k: d[k] for k in ("model", "data", "kernels", "precision", "zero", "lora", "optim")}
-    # where gradients are staged on the host changes no result (grad_buffer.py), and checkpoints
-    # written before the knob existed must still resume
-    # (nor does where NVMe swap files live: the checkpoint holds the states)
-    keep["zero"] = {k: v for k, v in d["zero"].items() if k not in ("host_grad_buffer", "nvme_path")}
-    # how long to train (steps or epochs), what to log and when to evaluate change no step's result
-    keep["train"] = {k: v for k, v in d["train"].items() if k not in (
-        "iterations", "epochs", "log_every", "warmup_iterations", "eval_every")}
-    keep["world_size"] = cfg.world_size
-    # the LR schedule is torch's LambdaLR over ds_config.lr_factor since this version; DeepSpeed's
-    # WarmupCosineLR state of older checkpoints does not load into it
-    keep["lr_schedule"] = "lambda-1"
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def complete_steps(ckpt_dir: Path, fp: str) -> list[int]:

@@ -84,16 +84,16 @@ class Evaluator:
 
     # -- when ---------------------------------------------------------------------------------
 
-    def periodic(self, engine, step: int, log) -> dict | None:
+    def periodic(self, engine, step: int, log, stop=None) -> dict | None:
         """After step `step`: evaluate when train.eval_every divides it."""
         if self.every and step % self.every == 0:
-            return self.run(engine, step, log)
+            return self.run(engine, step, log, stop)
         return None
 
-    def final(self, engine, step: int, log) -> dict | None:
+    def final(self, engine, step: int, log, stop=None) -> dict | None:
         """After the last step: evaluate unless `periodic` just did."""
         if step > 0 and self.last_step != step:
-            return self.run(engine, step, log)
+            return self.run(engine, step, log, stop)
         return None
 
     # -- how ----------------------------------------------------------------------------------
@@ -109,8 +109,10 @@ class Evaluator:
             batches.append(rows or [(0, False)])
         return batches
 
-    def run(self, engine, step: int, log) -> dict:
-        """Evaluate every held-out row now; log and return the "eval" record."""
+    def run(self, engine, step: int, log, stop=None) -> dict | None:
+        """Evaluate every held-out row now; log and return the "eval" record. `stop` (a
+        collective, called after every micro-batch on every rank: they run as many): a non-zero
+        answer (a SIGINT/SIGTERM, stop.py) ends the evaluation there, and None is returned."""
         import torch
         import torch.distributed as dist
 
@@ -151,6 +153,10 @@ class Evaluator:
                             scores[j] = torch.tensor(
                                 [_correct(pred[i], b["input_ids"][i], cite),
                                  _correct(pred[i], b["input_ids"][i], value), 1.0])
+                    if stop is not None and stop():
+                        if self.rank == 0:
+                            print(f"longft: evaluation after step {step} stopped", flush=True)
+                        return None
         finally:
             handle.remove()
             engine.train(was_training)

@@ -1,5 +1,9 @@
 """A graceful stop on SIGINT (Ctrl-C) and SIGTERM (`kill`, schedulers): finish the current step,
-write a checkpoint and the end of the measurements, exit non-zero.
+write a checkpoint and the end of the measurements, exit non-zero. During an evaluation (periodic
+or the final one, evaluate.py) the ranks ask after every held-out micro-batch and end it there;
+after the last step the final checkpoint and the export are then skipped (a re-run resumes the
+last step's checkpoint and does them). A signal during the final checkpoint or the export lets
+them finish, then the run exits 130/143 all the same.
 
 On each rank, `StopRequest` (worker.py) turns the first signal into a flag. After every step the
 training loop asks `agreed()`: an all-reduce (MAX) of the signal number, so every rank stops after
@@ -169,8 +173,9 @@ class Relay(SignalHandlers):
                 pass
         if not ranks:
             self._killpg(signum)
-        msg = (f"longft: {name(signum)}: the ranks finish the current step, write a checkpoint "
-               "and exit; signal again to quit without a checkpoint\n" if self.count == 1 else
+        msg = (f"longft: {name(signum)}: the ranks finish the current step (or end the "
+               "evaluation), write a checkpoint and exit; signal again to quit without a "
+               "checkpoint\n" if self.count == 1 else
                f"longft: {name(signum)} again: quitting without a checkpoint\n")
         try:
             sys.stderr.write(msg)

@@ -73,7 +73,9 @@ def _save(engine, cfg: Config, ckpt_dir: Path, step: int, fp: str) -> None:
 def _stop(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved: bool,
           signum: int, log: RunLog, rank: int):
     """Every rank, after `step`, on a SIGINT/SIGTERM to any rank: checkpoint (unless this step's
-    periodic one was just written), "end" record "interrupted", a message on rank 0, exit 128+sig."""
+    periodic one was just written), "end" record "interrupted", a message on rank 0, exit 128+sig.
+    After the last step (a signal during the final evaluation) the final evaluation, checkpoint
+    and export are skipped, and said: a re-run resumes this checkpoint and does them."""
     import torch.distributed as dist
 
     where = None
@@ -89,7 +91,9 @@ def _stop(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved:
                 else "output.resume is false: the next run starts over" if where
                 else "checkpoints are off (output.checkpoint_every, output.save_checkpoint): the "
                      "next run starts over")
-        print(f"longft: stopped by {stop.name(signum)} after step {step}; checkpoint at "
+        last = ("; the final evaluation, the final checkpoint and the export were skipped"
+                if step >= cfg.train.iterations else "")
+        print(f"longft: stopped by {stop.name(signum)} after step {step}{last}; checkpoint at "
               f"{where or '-'}; {then}", flush=True)
     dist.barrier()  # every rank has written everything before any exits (launchers kill the rest)
     raise stop.Stopped(signum, step)
@@ -226,7 +230,7 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                       optimizer=client_optimizer(cfg),
                                       lr_scheduler=ds_config.lr_scheduler(cfg), mpu=mpu)
-    fp = checkpoint.fingerprint(cfg)
+    fp = checkpoint.fingerprint(cfg, data_dir)
     start, batches = _resume(engine, cfg, ckpt_dir, fp, loader, sampler, rank)
     if sp is not None:
         batches = sp.shard(batches, pad_id, engine.device)
@@ -322,6 +326,10 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
     bar = tqdm(range(s.start + 1, cfg.train.iterations + 1), desc="train", unit="step",
                initial=s.start, total=cfg.train.iterations, disable=s.rank != 0 or None)
     step = s.start
+
+    def asked() -> int:  # a collective: every rank asks at the same points
+        return stopper.agreed(s.engine.device) if stopper is not None else 0
+
     try:
         # Forward and backward (with its recompute) both run under the pinned SDPA kernel order.
         with attention.context(plan.resolved.sdpa_backend.value):
@@ -335,13 +343,16 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
                 last_s = rec["time_s"]
                 _log_step(s, cfg, plan, step, rec, log, bar)
                 if s.evaluator is not None:
-                    s.evaluator.periodic(s.engine, step, log)
+                    s.evaluator.periodic(s.engine, step, log, asked)
                 saved = _periodic_checkpoint(s, cfg, ckpt_dir, step)
-                if stopper is not None and (sig := stopper.agreed(s.engine.device)):
+                if sig := asked():
                     bar.close()
                     _stop(s.engine, cfg, ckpt_dir, step, s.fingerprint, saved, sig, log, s.rank)
             if s.evaluator is not None:
-                s.evaluator.final(s.engine, step, log)
+                s.evaluator.final(s.engine, step, log, asked)
+            if sig := asked():  # during the final evaluation (which it ended)
+                bar.close()
+                _stop(s.engine, cfg, ckpt_dir, step, s.fingerprint, False, sig, log, s.rank)
         if ckpt_dir is not None and cfg.output.save_checkpoint:
             s.engine.save_checkpoint(str(ckpt_dir), tag="final")
         if export_dir is not None:
@@ -359,6 +370,15 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
         log.write("end", status="failed", steps=step - 1, error=f"{type(e).__name__}: {e}")
         raise
     log.write("end", status="complete", steps=step)
+    if sig := asked():  # during the final checkpoint or the export, both of which were finished
+        log.close()
+        if s.rank == 0:
+            print(f"longft: {stop.name(sig)} came during the final checkpoint and export; both "
+                  f"were written and the run is complete", flush=True)
+        import torch.distributed as dist
+
+        dist.barrier()
+        raise stop.Stopped(sig, step)
 
 
 def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,

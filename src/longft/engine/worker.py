@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -21,6 +22,13 @@ from longft.engine.opbuild import diagnose
 from longft.engine.stop import Stopped, StopRequest
 from longft.engine.trainer import train
 from longft.errors import UserError
+
+
+def _port_taken(e: BaseException) -> bool:
+    """torch's rendezvous store could not listen on MASTER_PORT: another process holds it."""
+    from torch.distributed import DistNetworkError
+
+    return isinstance(e, DistNetworkError) and "EADDRINUSE" in str(e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +64,11 @@ def _main(argv: list[str] | None, stopper: StopRequest) -> int:
         print(f"longft train: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
+        if _port_taken(e):  # the stage says what to do (launch.run); a traceback would bury it
+            print(f"longft train: rank {os.environ.get('RANK', '?')} could not listen on master "
+                  f"port {os.environ.get('MASTER_PORT', '?')}: address already in use (EADDRINUSE)",
+                  file=sys.stderr, flush=True)
+            return 2
         failure = diagnose(e)  # a DeepSpeed op that could not be compiled or loaded?
         if failure is not None:
             print(f"longft train: {failure.message()}", file=sys.stderr, flush=True)
