@@ -15,6 +15,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+if ! python -c 'import platform as p, sys; sys.exit(sys.version_info[:2] != (3, 11) or p.machine() != "x86_64")'; then
+  echo "scripts/setup.sh: $LOCK is for CPython 3.11 on x86_64 Linux, and .venv has $(python -c \
+'import platform as p; print("CPython", p.python_version(), "on", p.machine())'): delete .venv and run again \
+with PYTHON=python3.11, or lock for this Python (--python-version in scripts/lock.sh)" >&2
+  exit 2
+fi
 if ! python -c "import longft" 2>/dev/null || ! python -m longft.engine.lockfile >/dev/null 2>&1; then
   echo "installing $LOCK into .venv: $(grep -c '==' "$LOCK") packages at their locked versions and hashes ..."
   if command -v nvidia-smi >/dev/null 2>&1; then
