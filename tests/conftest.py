@@ -60,8 +60,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fn = getattr(item, "function", None)
-        if fn is None or item.get_closest_marker("slow"):
-            continue
+        if fn is None or item.get_closest_marker("slow") or item.get_closest_marker("gpu"):
+            continue  # (the GPU suite is a tier of its own: `-m slow` does not take it)
         funcs = [fn] + [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs
                         if inspect.getmodule(d.func) is item.module]
         if any(_launches(f, item.module) for f in funcs):
