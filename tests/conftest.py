@@ -15,9 +15,9 @@ import textwrap
 
 import pytest
 
-LAUNCHERS = frozenset({"run_all", "run_stage", "run_params", "stage_commands"})
-"""longft.run.pipeline's ways to start stage processes (the train stage starts the ranks): a test
-that calls one is `slow`."""
+LAUNCHERS = frozenset({"run_all", "run_stage", "run_params", "stage_commands", "longft.run.launch.run"})
+"""longft.run.pipeline's ways to start stage processes (the train stage starts the ranks) and the
+launcher runner: a test that calls one (by name, or launch.run under any name) is `slow`."""
 FAST_LIMIT_S = float(os.environ.get("LONGFT_FAST_LIMIT_S", "20"))
 """An unmarked test slower than this (2 cores) belongs in the slow tier."""
 
@@ -40,9 +40,11 @@ def _launches(fn, module, seen=None) -> bool:
         if isinstance(node, ast.Call):
             f = node.func
             name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-            if name in LAUNCHERS:
-                return True
             helper = getattr(module, name, None) if name else None
+            if name in LAUNCHERS or f"{getattr(helper, '__module__', '')}.{name}" in LAUNCHERS \
+                    or (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                        and f"{getattr(getattr(module, f.value.id, None), '__name__', '')}.{name}" in LAUNCHERS):
+                return True
             if inspect.isfunction(helper) and helper.__module__ == module.__name__ \
                     and _launches(helper, module, seen):
                 return True
