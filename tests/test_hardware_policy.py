@@ -352,6 +352,8 @@ def test_providers_reads_the_installed_metadata(tmp_path, monkeypatch):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flash_attn_4\nVersion: 4.0.0b36\n")
     (info / "RECORD").write_text("flash_attn/cute/__init__.py,,\nflash_attn_4-4.0.0b36.dist-info/METADATA,,\n")
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)  # Python 3.12 lists only files that exist
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").touch()
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
     assert "flash-attn-4" in machine._providers("flash_attn")
     assert importlib.metadata.version("flash-attn-4") == "4.0.0b36"
