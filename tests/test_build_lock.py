@@ -131,7 +131,7 @@ def test_set_up_builds_the_ops_of_a_cpu_run_once(tmp_path):
         shutil.copytree(usual / op, tmp_path / op)
     (tmp_path / "cpu_adam" / "lock").touch()  # and a killed build's lock: no hang
     p = subprocess.run([sys.executable, "-m", "longft.engine.opbuild", "cpu"], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+                       text=True, timeout=600, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert p.returncode == 0, p.stderr
     assert f"DeepSpeed's `cpu_adam` op already built ({tmp_path})" in p.stderr
     assert f"DeepSpeed's `deepspeed_shm_comm` op already built ({tmp_path})" in p.stderr
