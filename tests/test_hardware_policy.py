@@ -352,6 +352,51 @@ def test_providers_reads_the_installed_metadata(tmp_path, monkeypatch):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flash_attn_4\nVersion: 4.0.0b36\n")
     (info / "RECORD").write_text("flash_attn/cute/__init__.py,,\nflash_attn_4-4.0.0b36.dist-info/METADATA,,\n")
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)  # Python 3.12 lists only files that exist
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").touch()
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
     assert "flash-attn-4" in machine._providers("flash_attn")
     assert importlib.metadata.version("flash-attn-4") == "4.0.0b36"
+
+
+# ------------------------------------------------------------------ what this torch can do
+
+
+def test_detect_finds_varlen_attn_exactly_where_torch_has_it():
+    """Real, no fake: torch.nn.attention.varlen came with torch 2.10; the images pin 2.9.1
+    (scripts/test_image_pins.sh runs this there), where auto must not pick it."""
+    import torch
+    from packaging.version import Version
+
+    from longft.hardware import detect
+    from longft.model.packed_attention import varlen_available
+
+    has = Version(torch.__version__.split("+")[0]) >= Version("2.10")
+    assert detect().varlen_attn is has and varlen_available() is has
+
+
+def test_on_an_images_torch_without_varlen_auto_takes_per_document(monkeypatch):
+    """torch 2.9 (the images' pin) on a Hopper and an Ampere GPU, faked: the capability as detect()
+    finds it, then auto's choice: SDPA per document, never varlen (which would fail to import)."""
+    import importlib.util
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from longft.hardware import detect
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch.nn.attention.varlen" else real(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, cap in (("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA A100-SXM4-40GB", (8, 0))):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda i, n=name, c=cap: NS(name=n, major=c[0], minor=c[1], total_memory=80 * 2**30))
+        hw = detect()
+        assert hw.device == "cuda" and hw.capability == cap and hw.varlen_attn is False
+        for seq in (4096, 16384, 131072):
+            c = resolve(from_dict({"data": {"max_seq_length": seq}}), hw, "llama")["packed_attention"]
+            assert c.value == "per_document", (name, seq, c)
+        with pytest.raises(PlanError, match=r"torch >= 2.10"):
+            resolve(from_dict({"kernels": {"packed_attention": "varlen"}}), hw, "llama")

@@ -115,13 +115,13 @@ def test_no_mask_is_built_for_packed_rows(implementation, monkeypatch):
         monkeypatch.setattr(masking_utils, name, lambda *a, _real=real, **k: built.append(1) or _real(*a, **k))
     ids, pos = batch(model.config.vocab_size)
     emb = model.model.embed_tokens(ids)
-    mask = masking_utils.create_causal_mask(config=model.config, inputs_embeds=emb,
-                                            attention_mask=None, cache=None, position_ids=pos)
+    # (config, inputs_embeds, attention_mask, cache): the cache argument is `past_key_values` in
+    # transformers 5.17 (the lock's, the images'), `cache` from 5.24 on
+    mask = masking_utils.create_causal_mask(model.config, emb, None, None, position_ids=pos)
     assert mask is None and not built
     # the plain sdpa path would have built the [seq x seq] block mask: the spy can see it
     model.config._attn_implementation = "sdpa"
-    mask = masking_utils.create_causal_mask(config=model.config, inputs_embeds=emb,
-                                            attention_mask=None, cache=None, position_ids=pos)
+    mask = masking_utils.create_causal_mask(model.config, emb, None, None, position_ids=pos)
     assert mask is not None and mask.shape[-2:] == (S, S)
 
 

@@ -72,6 +72,7 @@ def _agree(rank, port, q):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two rank processes (spawned, each imports torch and joins a process group)
 def test_all_ranks_agree_when_only_one_was_signalled():
     import multiprocessing
 

@@ -181,6 +181,7 @@ def dvc(*args, cwd):
     return p.stdout
 
 
+@pytest.mark.slow  # real `dvc exp run --queue` processes: 34-42 s on 2 busy cores
 def test_queue_for_real(workdir, monkeypatch):
     """Queue two rows in a throwaway repository and read them back from `dvc exp show`."""
     for k, v in (("GIT_AUTHOR_NAME", "t"), ("GIT_AUTHOR_EMAIL", "t@t"), ("GIT_COMMITTER_NAME", "t"),

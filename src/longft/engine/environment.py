@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from longft.config.params import Config
 from longft.config.plan import Plan
+from longft.engine import lockfile
 from longft.measure.monitor import gpu_inventory
 from longft.model import packed_attention
 
@@ -50,6 +51,7 @@ def environment(cfg: Config, plan: Plan, ds: dict | None = None, engine=None) ->
         "transformers": _pkg("transformers"), "liger_kernel": _pkg("liger-kernel"),
         "peft": _pkg("peft"), "flash_attn": _pkg("flash-attn"), "flash_attn_4": _pkg("flash-attn-4"),
         "python": platform.python_version(),
+        **lockfile.record(),  # env_lock: the lock's hash; env_lock_differs: packages not as locked
         "precision": r.precision.value, "attention": r.attention.value,
         "sdpa_backend": r.sdpa_backend.value, "packed_attention": r.packed_attention.value,
         "cudnn_ragged": packed_attention.cudnn_ragged(),

@@ -17,13 +17,27 @@ toolkit, that fails with one of:
 `diagnose(exc)` recognises any exception raised inside DeepSpeed's op builder (it walks the
 traceback for an OpBuilder frame, which also gives the op's name and its DS_BUILD_* variable) and
 returns one message: which op, the likely cause, and the fixes.
+
+Set-up builds the ops a CPU run compiles once, with a notice and progress, into the folder the ranks
+use (`extensions_dir()`), so that no first run or first test compiles them silently:
+
+    python -m longft.engine.opbuild          # scripts/setup.sh runs it
+
+torch's JIT build holds `<op folder>/lock` while it compiles, and every other process waits, without
+a word and without end, until that file is gone: a build killed half-way leaves it behind.
+`watch_build_locks()` (each rank, before DeepSpeed builds anything) removes a lock whose process is
+gone, with a note, and makes a wait on a live one say whose build it waits for, with progress.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,3 +152,160 @@ def diagnose(exc: BaseException) -> OpFailure | None:
         cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return OpFailure(op=op, build_var=build_var, cause=cause, evidence=evidence, cuda=cuda,
                      stale=stale)
+
+
+def extensions_dir() -> str:
+    """The ranks' JIT-build folder ($TORCH_EXTENSIONS_DIR unless set): one per Python environment,
+    since two venvs sharing ~/.cache/torch_extensions keep rebuilding each other's DeepSpeed ops
+    (their build files differ)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+        Path.home() / ".cache" / "longft" / "torch_extensions"
+        / hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])
+
+
+def _say(msg: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # only rank 0 prints; every rank waits the same
+        print(f"longft: {msg}", file=sys.stderr, flush=True)
+
+
+def lock_holders(lock: Path) -> list[int] | None:
+    """The processes that hold `lock` open (torch's FileBaton keeps its file open while it builds),
+    or None where that cannot be known (no /proc)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir():
+        return None
+    target = os.path.realpath(lock)
+    out = []
+    for pid in filter(str.isdigit, os.listdir(proc)):
+        try:
+            fds = os.listdir(proc / pid / "fd")
+        except OSError:  # gone meanwhile, or another user's (whose builds use their own folder)
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(proc / pid / "fd" / fd) == target:
+                    out.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return out
+
+
+def _remove_stale(lock: Path, grace_s: float = 1.0) -> bool:
+    """Remove `lock` when no process holds it, now and `grace_s` later (torch's FileBaton closes
+    its file a moment before it removes it: that is a release, not a stale lock); say so. True if
+    this removed it."""
+    if lock_holders(lock) != []:
+        return False
+    time.sleep(grace_s)
+    if not lock.exists() or lock_holders(lock) != []:
+        return False
+    try:
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    _say(f"removed a stale build lock {lock} (the process that held it is gone: a build killed "
+         f"half-way); `{lock.parent.name}` is built again now")
+    return True
+
+
+def clear_stale_locks(ext_dir: str | Path) -> list[Path]:
+    """Remove every `<ext_dir>/<op>/lock` that no process holds; return those removed."""
+    return [lock for lock in sorted(Path(ext_dir).glob("*/lock")) if _remove_stale(lock)]
+
+
+def wait_for_lock(lock: Path, every_s: float = 10.0, poll_s: float = 0.2) -> None:
+    """Wait until `lock` is gone, saying whose build it is and, every `every_s`, how long it has
+    been; a lock whose process is gone (or ends without removing it) is removed (`_remove_stale`)."""
+    holders = lock_holders(lock)
+    if holders:
+        _say(f"waiting for process {', '.join(map(str, holders))} to finish building DeepSpeed's "
+             f"`{lock.parent.name}` op (lock {lock}) ...")
+    elif holders is None:
+        _say(f"waiting for another process to finish building DeepSpeed's `{lock.parent.name}` "
+             f"op (lock {lock}; delete it if no build is running) ...")
+    t0 = time.monotonic()
+    next_say = t0 + every_s
+    while lock.exists():
+        if _remove_stale(lock):
+            return
+        time.sleep(poll_s)
+        if time.monotonic() >= next_say:
+            _say(f"  still waiting for `{lock.parent.name}`: {time.monotonic() - t0:.0f} s")
+            next_say += every_s
+    if holders:
+        _say(f"`{lock.parent.name}` built by the other process after {time.monotonic() - t0:.0f} s")
+
+
+def watch_build_locks(ext_dir: str | Path | None = None) -> None:
+    """Before DeepSpeed builds its ops in this process: clear stale locks in `ext_dir` (default
+    extensions_dir()), and make torch's wait on a build lock `wait_for_lock` (message, progress,
+    a lock left by a killed build removed) instead of a silent spin."""
+    from torch.utils import file_baton
+
+    clear_stale_locks(ext_dir or extensions_dir())
+    if getattr(file_baton.FileBaton.wait, "_longft", False):
+        return
+
+    def wait(self) -> None:
+        wait_for_lock(Path(self.lock_file_path))
+
+    wait._longft = True
+    file_baton.FileBaton.wait = wait
+
+
+SETUP_OPS = {"cpu": ("CPUAdamBuilder", "ShareMemCommBuilder"), "cuda": ("CPUAdamBuilder",)}
+"""What a first run would JIT-build, per device: CPU Adam (zero.offload_optimizer: cpu, the default)
+and, with DeepSpeed's CPU accelerator, its shared-memory all-reduce."""
+
+
+def _ticking(what: str, every_s: float = 10.0):
+    """A thread that says every `every_s` how long `what` has taken; set() the returned event to
+    stop it."""
+    stop, t0 = threading.Event(), time.monotonic()
+
+    def tick():
+        while not stop.wait(every_s):
+            print(f"  ... {what}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    threading.Thread(target=tick, daemon=True).start()
+    return stop
+
+
+def build_ops(device: str | None = None) -> int:
+    """Build SETUP_OPS[device] into extensions_dir() (a no-op for ops already built); 0, or 1 with
+    diagnose()'s message for an op that cannot be built."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    os.environ["DS_ACCELERATOR"] = device
+    os.environ["TORCH_EXTENSIONS_DIR"] = ext = extensions_dir()
+    watch_build_locks(ext)
+    from deepspeed.accelerator import get_accelerator
+
+    for name in SETUP_OPS[device]:
+        builder = get_accelerator().create_op_builder(name)
+        built = (Path(ext) / builder.NAME / f"{builder.NAME}.so").is_file()
+        if not built:
+            print(f"longft: building DeepSpeed's `{builder.NAME}` op once, into {ext} (a minute or "
+                  "so; every later run loads it) ...", file=sys.stderr, flush=True)
+        t0, stop = time.monotonic(), _ticking(f"building {builder.NAME}") if not built else None
+        try:
+            builder.load(verbose=False)
+        except Exception as e:  # noqa: BLE001 - explained below, or re-raised
+            failure = diagnose(e)
+            if failure is None:
+                raise
+            print(f"longft: {failure.message()}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            if stop is not None:
+                stop.set()
+        print(f"longft: DeepSpeed's `{builder.NAME}` op "
+              + (f"built in {time.monotonic() - t0:.0f} s" if not built else "already built")
+              + f" ({ext})", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(build_ops(sys.argv[1] if len(sys.argv) > 1 else None))

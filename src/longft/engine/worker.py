@@ -18,7 +18,7 @@ from pathlib import Path
 from longft.config.params import load
 from longft.config.plan import Plan
 from longft.engine.checkpoint import disk_full_message
-from longft.engine.opbuild import diagnose
+from longft.engine.opbuild import diagnose, watch_build_locks
 from longft.engine.stop import Stopped, StopRequest
 from longft.engine.trainer import train
 from longft.errors import UserError
@@ -55,6 +55,7 @@ def _main(argv: list[str] | None, stopper: StopRequest) -> int:
         cfg = load(a.params)
         plan = Plan.read(a.plan)
         ds = json.loads(Path(a.ds_config).read_text())
+        watch_build_locks()  # a lock a killed build left: removed, not waited on forever
         train(cfg, plan, ds, Path(a.data), Path(a.run),
               Path(a.checkpoints) if a.checkpoints else None,
               Path(a.export) if a.export else None, stopper)

@@ -13,7 +13,6 @@ on a fresh port; a pinned port gets a message instead of the ranks' tracebacks a
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from longft.atomic import write_json
 from longft.config.params import Config
+from longft.engine.opbuild import extensions_dir
 from longft.engine.stop import Relay, exit_code
 from longft.errors import UserError
 
@@ -74,12 +74,8 @@ def environment(device: str, base: dict | None = None, expandable_segments: bool
         env["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch)
     if device == "cuda" and expandable_segments:
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    # One JIT-build folder per Python environment: two venvs sharing ~/.cache/torch_extensions
-    # keep rebuilding each other's DeepSpeed ops (their build files differ), and a build killed
-    # half-way leaves a lock that makes every later run wait forever.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(
-        Path.home() / ".cache" / "longft" / "torch_extensions"
-        / hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]))
+    # One JIT-build folder per Python environment (opbuild.extensions_dir, where set-up builds them)
+    env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
