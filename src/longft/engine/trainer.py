@@ -25,9 +25,9 @@ from longft.engine import (
     ds_config,
     grad_buffer,
     partial_offload,
-    sequence_parallel,
     stop,
     train_step,
+    ulysses,
 )
 from longft.engine.batches import (
     PASSES_BOUNDARIES,
@@ -113,7 +113,7 @@ class Session:
     rows: int = 0  # prepared training rows, for the passes over them (epoch)
     live: Any = None  # measure/live.LiveMetrics: rank 0's dvclive (and TensorBoard) curves
     evaluator: Evaluator | None = None  # the held-out split (engine/evaluate.py), None without one
-    sp: Any = None  # sequence_parallel.SequenceParallel with hardware.sequence_parallel > 1
+    sp: Any = None  # ulysses.SequenceParallel with hardware.sequence_parallel > 1
 
 
 def with_steps(cfg: Config, rows: int) -> Config:
@@ -218,10 +218,9 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
                                cfg.train.eval_every,
                                plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
     n_sp, mpu, sp = cfg.hardware.sequence_parallel, None, None
-    if n_sp > 1:  # DeepSpeed's Ulysses attention and process groups (engine/sequence_parallel.py)
-        mpu = sequence_parallel.register(model, n_sp, cfg.train.micro_batch_size,
-                                         cfg.data.max_seq_length)
-        sp = sequence_parallel.SequenceParallel.of(mpu)
+    if n_sp > 1:  # DeepSpeed's Ulysses attention and process groups (engine/ulysses.py)
+        mpu = ulysses.register(model, n_sp, cfg.train.micro_batch_size, cfg.data.max_seq_length)
+        sp = ulysses.SequenceParallel.of(mpu)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                       optimizer=client_optimizer(cfg),
