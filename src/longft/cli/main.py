@@ -6,6 +6,9 @@
     longft generate [--prompt TEXT ...] [--held-out N] [--max-new-tokens N] [--export DIR]
     longft estimate | plan | max-context ...   (longft.cli.estimate; `longft plan --help`)
 
+The modules of report, sweep and generate each give `add_arguments(parser)` and `main(args)`;
+estimate, plan and max-context parse their own arguments (longft.cli.estimate).
+
 Installed as a console script by `pip install -e .`; `python -m longft.cli ...` works too.
 """
 
@@ -39,12 +42,12 @@ def _report(args: argparse.Namespace) -> int:
     between them is made here, above all three."""
     if args.benchmarks:
         from longft.metrics import results_table
-        return results_table.run(args)
+        return results_table.main(args)
     if args.grid:
         from longft.metrics import grid_report
-        return grid_report.run(args)
+        return grid_report.main(args)
     from longft.metrics import report
-    return report.run(args)
+    return report.main(args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module, handler, summary in (
             ("report", report, _report, "results table and plots over DVC experiments or bench results"),
-            ("sweep", sweep, sweep.run, "queue a grid of runs as DVC experiments"),
-            ("generate", generate, generate.run,
+            ("sweep", sweep, sweep.main, "queue a grid of runs as DVC experiments"),
+            ("generate", generate, generate.main,
              "sample from the exported model on prompts or held-out records")):
         sp = sub.add_parser(name, help=summary, description=module.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
