@@ -326,10 +326,10 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
         with attention.context(plan.resolved.sdpa_backend.value):
             for step in bar:
                 progress.start_step(last_s)
-                rec = train_step.run(s.engine, s.batches,
-                                     cfg.grad_accum_steps * cfg.hardware.sequence_parallel, s.pad_id,
-                                     now, s.offloader,
-                                     plan.resolved.packed_attention.value in PASSES_BOUNDARIES, s.sp)
+                rec = train_step.step(s.engine, s.batches,
+                                      cfg.grad_accum_steps * cfg.hardware.sequence_parallel, s.pad_id,
+                                      now, s.offloader,
+                                      plan.resolved.packed_attention.value in PASSES_BOUNDARIES, s.sp)
                 progress.end_step()
                 last_s = rec["time_s"]
                 _log_step(s, cfg, plan, step, rec, log, bar)
