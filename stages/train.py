@@ -28,7 +28,7 @@ from longft.config.plan import Plan
 from longft.engine.trajectory import fingerprint, trajectory
 from longft.errors import UserError
 from longft.run.earlier import Earlier
-from longft.run.launch import command, environment, master_port, run
+from longft.run.launch import command, environment, launch_ranks, master_port
 from longft.run.preflight import host_memory, writable
 
 
@@ -105,8 +105,8 @@ def main() -> int:
     Path(a.export).mkdir(parents=True, exist_ok=True)
     print("train:", " ".join(cmd), flush=True)
     env = environment(device, expandable_segments=cfg.hardware.expandable_segments)
-    code = run(cmd, env, run_dir, port if device == "cpu" else None,
-               auto_port=cfg.hardware.master_port == "auto")  # taken meanwhile: a fresh one
+    code = launch_ranks(cmd, env, run_dir, port if device == "cpu" else None,
+                        auto_port=cfg.hardware.master_port == "auto")  # taken meanwhile: a fresh one
     if code == 0 and not cfg.output.export:
         # export/ persists across runs (dvc.yaml) so a refused or failed run keeps the last model;
         # a finished run without an export must not leave an older run's model there as its own

@@ -15,9 +15,9 @@ import textwrap
 
 import pytest
 
-LAUNCHERS = frozenset({"run_all", "run_stage", "run_params", "stage_commands", "longft.run.launch.run"})
+LAUNCHERS = frozenset({"run_all", "run_stage", "run_params", "stage_commands", "longft.run.launch.launch_ranks"})
 """longft.run.pipeline's ways to start stage processes (the train stage starts the ranks) and the
-launcher runner: a test that calls one (by name, or launch.run under any name) is `slow`."""
+launcher runner: a test that calls one (by name, or launch.launch_ranks under any name) is `slow`."""
 FAST_LIMIT_S = float(os.environ.get("LONGFT_FAST_LIMIT_S", "20"))
 """An unmarked test slower than this (2 cores) belongs in the slow tier."""
 

@@ -1,4 +1,4 @@
-"""`longft estimate | plan | max-context` (longft.cli.estimate) on CPU with faked hardware."""
+"""`longft estimate | placement | max-context` (longft.cli.estimate) on CPU with faked hardware."""
 
 import dataclasses
 
@@ -143,16 +143,16 @@ def test_estimate_command_reports_bad_params(tmp_path, on, capsys):
     assert main("estimate", ["--no-such-flag"]) == 2
 
 
-def test_plan_writes_an_overlay_that_validates(tmp_path, on, capsys):
+def test_placement_writes_an_overlay_that_validates(tmp_path, on, capsys):
     on(H200)
     base = write_params(tmp_path)
     out = tmp_path / "overlay.yaml"
-    rc = main("plan", ["--gpu-mem", "80", "--host-mem", "256", "--gpus", "1", "--model",
+    rc = main("placement", ["--gpu-mem", "80", "--host-mem", "256", "--gpus", "1", "--model",
                        "llama3.1-8b", "--seq", "65536", "--out", str(out), "--params", str(base),
                        "--max-micro", "4"])
     assert rc == 0
     text = out.read_text()
-    assert text.startswith("# longft plan:")
+    assert text.startswith("# longft placement:")
     ov = yaml.safe_load(text)
     assert ov["model"] == {"name": "llama3.1-8b", "source": "random"}
     assert ov["data"]["max_seq_length"] == 65536
@@ -163,9 +163,9 @@ def test_plan_writes_an_overlay_that_validates(tmp_path, on, capsys):
     assert "chosen:" in capsys.readouterr().out
 
 
-def test_plan_says_what_is_closest_when_nothing_fits(tmp_path, on, capsys):
+def test_placement_says_what_is_closest_when_nothing_fits(tmp_path, on, capsys):
     on(H200)
-    rc = main("plan", ["--gpu-mem", "8", "--host-mem", "16", "--model", "llama3.1-8b", "--seq",
+    rc = main("placement", ["--gpu-mem", "8", "--host-mem", "16", "--model", "llama3.1-8b", "--seq",
                        "131072", "--params", str(write_params(tmp_path)), "--max-micro", "2"])
     assert rc == 1
     out = capsys.readouterr().out
@@ -191,14 +191,14 @@ def test_cli_dispatches_here(on, tmp_path, capsys):
 
 
 def test_module_docstring_shows_the_commands():
-    for cmd in ("longft estimate", "longft plan", "longft max-context"):
+    for cmd in ("longft estimate", "longft placement", "longft max-context"):
         assert cmd in estimate_cli.__doc__
 
 
 def test_near_ties_go_to_the_placement_using_less_of_the_machine():
     """Llama-3.1-8B at 128,000 tokens on 8 x 139 GiB with 504 GiB of host RAM: offloading the
     optimizer is within 2 % of keeping everything on the GPUs, and would spare GPU memory nothing
-    needs by filling ~170 GiB of host RAM; the plan keeps everything on the GPUs."""
+    needs by filling ~170 GiB of host RAM; the chosen placement keeps everything on the GPUs."""
     import json
 
     from longft.estimate.placement import overlay
@@ -209,7 +209,7 @@ def test_near_ties_go_to_the_placement_using_less_of_the_machine():
     cands = search(arch, base, 139, 504, "NVIDIA H200", max_micro=2)
     choice = best(cands, gpu_mem_gib=139, host_mem_gib=504)
     assert choice.offload == "none" and choice.est.host_rss < 40 * GIB
-    # the overlay writes both knobs even where the plan keeps none: merged onto a params file that
+    # the overlay writes both knobs even where the placement keeps none: merged onto a params file that
     # sets them, the params' values must not survive
     ov = overlay(choice, 8)["checkpointing"]
     assert ov["gpu_layers"] == 0 and "keep_attention" in ov

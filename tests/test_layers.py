@@ -11,7 +11,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "longft"
 LAYERS = ["errors", "atomic", "config", "hardware", "model", "data", "measure", "engine", "estimate",
-          "metrics", "run", "cli"]
+          "metrics", "run", "generate", "cli"]
 """Lowest first: a module may import its own package and those before it."""
 
 

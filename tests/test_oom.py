@@ -22,13 +22,13 @@ OVERLAY = {"data": {"num_samples": 4, "max_seq_length": 1024},
 DRIVER = """
 import sys, torch
 from longft.engine import train_step
-real, calls = train_step.run, []
+real, calls = train_step.step, []
 def step(*a, **k):
     calls.append(1)
     if len(calls) == 2:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     return real(*a, **k)
-train_step.run = step
+train_step.step = step
 from longft.engine.worker import main
 sys.exit(main(sys.argv[1:]))
 """

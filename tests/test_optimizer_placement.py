@@ -1,6 +1,6 @@
 """Where the optimizer lives (issue 18): a share on the GPU (zero.offload_ratio), bf16 states
 (zero.optimizer_states), NVMe (zero.offload_optimizer: nvme) and core binding: the params checks,
-the DeepSpeed dict, the estimator's items, the plan search and the up-front NVMe checks."""
+the DeepSpeed dict, the estimator's items, the placement search and the up-front NVMe checks."""
 
 import dataclasses
 import json
@@ -152,7 +152,7 @@ def test_config_to_setup_carries_the_new_knobs():
     assert (s.offload_ratio, s.optimizer_states, s.sub_group_size, s.nvme) == (0.6, "bf16", 1000, False)
 
 
-# ---------------------------------------------------------------- plan search
+# ---------------------------------------------------------------- placement search
 
 
 @pytest.mark.parametrize("groups", range(1, 41))
@@ -163,7 +163,7 @@ def test_ratio_for_gives_exactly_k_groups_under_deepspeeds_expression(groups):
     assert ratio_for(0, groups) == 1.0
 
 
-def test_plan_finds_8b_at_128k_on_one_h200_with_128_gib_of_ram_only_through_the_ratio():
+def test_placement_finds_8b_at_128k_on_one_h200_with_128_gib_of_ram_only_through_the_ratio():
     """The issue's case: full offload needs ~128 GiB of host RAM; nothing fits without a ratio,
     and the search finds one, written to the overlay."""
     base = dataclasses.replace(BASE_8B, seq_len=128000, sdpa_backend="default")
@@ -179,7 +179,7 @@ def test_plan_finds_8b_at_128k_on_one_h200_with_128_gib_of_ram_only_through_the_
     assert from_dict(ov).zero.offload_ratio == choice.setup.offload_ratio   # the overlay validates
 
 
-def test_plan_searches_bf16_states_only_when_asked():
+def test_placement_searches_bf16_states_only_when_asked():
     base = dataclasses.replace(BASE_8B, seq_len=32768)
     fp32 = search(ARCH_8B, base, 80, 64, None, max_micro=1)
     assert {c.setup.optimizer_states for c in fp32} == {"fp32"}
@@ -190,12 +190,12 @@ def test_plan_searches_bf16_states_only_when_asked():
     assert any(c.setup.nvme and c.fit.ok for c in disk)
 
 
-def test_plan_command_searches_the_ratio_and_writes_it(tmp_path, capsys, monkeypatch):
+def test_placement_command_searches_the_ratio_and_writes_it(tmp_path, capsys, monkeypatch):
     from longft.cli.estimate import main
 
     monkeypatch.setattr("longft.hardware.detect", lambda: CPU)
     out = tmp_path / "ov.yaml"
-    rc = main("plan", ["--gpu-mem", "128", "--host-mem", "110", "--model", "llama3.1-8b",
+    rc = main("placement", ["--gpu-mem", "128", "--host-mem", "110", "--model", "llama3.1-8b",
                "--seq", "65536", "--params", str(tmp_path / "none.yaml"), "--max-micro", "1",
                "--out", str(out)])
     text = capsys.readouterr().out

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from longft.run.launch import free_port, run
+from longft.run.launch import free_port, launch_ranks
 
 LAUNCHER = """
 import sys
@@ -37,7 +37,7 @@ def launch(tmp_path, port, auto_port):
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     (tmp_path / "run").mkdir(exist_ok=True)
     cmd = [sys.executable, str(tmp_path / "launcher.py"), str(tmp_path), "--master_port", str(port)]
-    return run(cmd, {**__import__("os").environ}, tmp_path / "run", auto_port=auto_port)
+    return launch_ranks(cmd, {**__import__("os").environ}, tmp_path / "run", auto_port=auto_port)
 
 
 def test_auto_port_taken_meanwhile_is_retried_on_a_fresh_one(tmp_path, taken, capfd):

@@ -244,10 +244,21 @@ def test_cli_estimate_dispatch(monkeypatch):
     assert seen == [("max-context", ["--gpu-mem", "80"])]
 
 
+def test_cli_plan_is_an_alias_of_placement(monkeypatch, capsys):
+    """`longft plan` (its old name) says in one line what it is now and runs `longft placement`."""
+    seen = []
+    fake = types.ModuleType("longft.cli.estimate")
+    fake.main = lambda command, argv: seen.append((command, argv)) or 1
+    monkeypatch.setitem(sys.modules, "longft.cli.estimate", fake)
+    assert cli.main(["plan", "--gpu-mem", "24", "--seq", "4096"]) == 1
+    assert seen == [("placement", ["--gpu-mem", "24", "--seq", "4096"])]
+    assert capsys.readouterr().err == "longft plan is now longft placement\n"
+
+
 def test_cli_estimate_not_available(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "longft.cli.estimate", None)  # import raises ImportError
-    assert cli.main(["plan", "--gpus", "1"]) == 2
-    assert "longft plan: not available" in capsys.readouterr().err
+    assert cli.main(["placement", "--gpus", "1"]) == 2
+    assert "longft placement: not available" in capsys.readouterr().err
 
 
 # -- offline `dvc plots show` ------------------------------------------------------------------

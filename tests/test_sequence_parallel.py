@@ -8,7 +8,7 @@ import pytest
 
 from longft.config.params import Config, ConfigError, from_dict
 from longft.engine import ds_config
-from longft.engine.sequence_parallel import SequenceParallel
+from longft.engine.ulysses import SequenceParallel
 from longft.estimate.estimator import Setup, estimate, layer_activation_bytes
 from longft.estimate.gpu import ulysses_bytes
 from longft.hardware import Hardware, PlanError, resolve
@@ -128,7 +128,7 @@ def test_after_the_all_to_all_documents_come_from_the_gathered_position_ids():
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from longft.engine.sequence_parallel import _positions_give_documents
+    from longft.engine.ulysses import _positions_give_documents
     from longft.model.packed_attention import make_forward
 
     torch.manual_seed(0)

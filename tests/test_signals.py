@@ -109,7 +109,7 @@ def test_exit_codes():
     assert e.exit_code == 143 and "SIGTERM after step 7" in str(e)
 
 
-# -- in the train stage: launch.run with a stand-in launcher -----------------------------------
+# -- in the train stage: launch.launch_ranks with a stand-in launcher ---------------------------
 
 LAUNCHER = """
 import signal, subprocess, sys
@@ -145,7 +145,7 @@ sys.exit(128 + got[0])
 
 
 def _stage(tmp_path, parent=False):
-    """A stand-in train stage (launch.run of LAUNCHER) in a new session; with `parent`, started
+    """A stand-in train stage (launch.launch_ranks of LAUNCHER) in a new session; with `parent`, started
     through a parent process that only waits for it (like dvc)."""
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     # a stand-in rank: `python -u -m longft.engine.worker` in tmp_path
@@ -154,8 +154,8 @@ def _stage(tmp_path, parent=False):
     (tmp_path / "longft" / "engine" / "__init__.py").write_text("")
     (tmp_path / "longft" / "engine" / "worker.py").write_text(RANK)
     (tmp_path / "run").mkdir()
-    stage = (f"import os, sys\nfrom pathlib import Path\nfrom longft.run.launch import run\n"
-             f"sys.exit(run([sys.executable, {str(tmp_path / 'launcher.py')!r}, "
+    stage = (f"import os, sys\nfrom pathlib import Path\nfrom longft.run.launch import launch_ranks\n"
+             f"sys.exit(launch_ranks([sys.executable, {str(tmp_path / 'launcher.py')!r}, "
              f"{str(tmp_path)!r}, '--module', 'longft.engine.worker'], dict(os.environ), "
              f"Path({str(tmp_path / 'run')!r})))")
     cmd = [sys.executable, "-c", stage]

@@ -1,7 +1,7 @@
-"""Predict before you run: `longft estimate`, `longft plan` and `longft max-context`.
+"""Predict before you run: `longft estimate`, `longft placement` and `longft max-context`.
 
     longft estimate [--params params.yaml] [--gpu-mem GiB] [--host-mem GiB]
-    longft plan --gpu-mem 80 --host-mem 256 --gpus 1 --model llama3.1-8b --seq 65536 [--out overlay.yaml]
+    longft placement --gpu-mem 80 --host-mem 256 --gpus 1 --model llama3.1-8b --seq 65536 [--out overlay.yaml]
     longft max-context [--params params.yaml] [--gpu-mem GiB] [--host-mem GiB] [--max-seq N] \
         [--confirm [--iterations 2] [--work DIR] [--out FILE]]
 
@@ -9,7 +9,7 @@
 `python -m longft.cli estimate ...` works without installing it.)
 
 estimate: the itemised memory table of a params file; exit 0 when it fits, 1 when it does not.
-plan: the fastest placement that fits (offload x checkpointing x micro-batch), written as a params
+placement: the fastest placement that fits (offload x checkpointing x micro-batch), written as a params
 overlay; exit 1 with the closest candidate's numbers when nothing fits.
 max-context: the longest sequence (a multiple of 1024) that fits, by binary search; with --confirm,
 short real training runs at `candidates_for_confirmation()`, longest first, find the longest that
@@ -34,7 +34,7 @@ from longft.estimate.placement import MODES, best, overlay, search, tokens_per_s
 from longft.hardware import TILED_MLP_FROM
 
 __all__ = [
-    "main", "COMMANDS", "cmd_estimate", "cmd_plan", "cmd_max_context", "SEQ_STEP", "max_context",
+    "main", "COMMANDS", "cmd_estimate", "cmd_placement", "cmd_max_context", "SEQ_STEP", "max_context",
     "candidates_for_confirmation",
     # from longft.estimate.placement and .max_context, for the tests
     "tokens_per_second", "MODES", "search", "best", "overlay",
@@ -89,13 +89,13 @@ def cmd_estimate(argv: list[str]) -> int:
 
 
 
-# ---------------------------------------------------------------- plan: longft.cli.plan
+# ---------------------------------------------------------------- placement: longft.cli.placement
 
 
-def cmd_plan(argv: list[str]) -> int:
-    from longft.cli.plan import cmd_plan as plan
+def cmd_placement(argv: list[str]) -> int:
+    from longft.cli.placement import cmd_placement as placement
 
-    return plan(argv)
+    return placement(argv)
 
 
 def cmd_max_context(argv: list[str]) -> int:
@@ -174,11 +174,11 @@ def cmd_max_context(argv: list[str]) -> int:
                    lambda s: predicted(estimate(arch, dataclasses.replace(base, seq_len=s))))
 
 
-COMMANDS = {"estimate": cmd_estimate, "plan": cmd_plan, "max-context": cmd_max_context}
+COMMANDS = {"estimate": cmd_estimate, "placement": cmd_placement, "max-context": cmd_max_context}
 
 
 def main(command: str, argv: list[str]) -> int:
-    """Run one of `estimate`, `plan`, `max-context` with its arguments; returns the exit code
+    """Run one of `estimate`, `placement`, `max-context` with its arguments; returns the exit code
     (0 fits / found, 1 does not fit / nothing found, 2 bad params or arguments)."""
     from longft.errors import UserError
 

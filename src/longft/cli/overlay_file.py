@@ -1,5 +1,5 @@
-"""A `longft plan` overlay, printed or written to a file with a header of what it predicts
-(`longft plan` and its advice when nothing fits both write them)."""
+"""A `longft placement` overlay, printed or written to a file with a header of what it predicts
+(`longft placement` and its advice when nothing fits both write them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from longft.estimate.placement import Candidate, near_budget
 
 
 def write_overlay(out: str | None, ov: dict, c: Candidate, gpu_mem: float, host_mem: float,
-                  title: str = "longft plan", quiet: bool = False) -> None:
+                  title: str = "longft placement", quiet: bool = False) -> None:
     """Print the overlay, or write it to `out` with a header of what it predicts (and say so
     unless `quiet`)."""
     import yaml

@@ -1,5 +1,5 @@
-"""What `longft estimate`, `plan` and `max-context` estimate for: the model's architecture numbers,
-and every `auto` resolved for a GPU (this machine's, or an Ampere-or-newer one when planning from a
+"""What `longft estimate`, `placement` and `max-context` estimate for: the model's architecture numbers,
+and every `auto` resolved for a GPU (this machine's, or an Ampere-or-newer one when estimating from a
 machine without one)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def architecture_of(model_cfg) -> dict:
 
 
 def target_hardware(hw, num_gpus: int):
-    """The hardware to resolve `auto` against: this machine's GPU, or, planning from a machine
+    """The hardware to resolve `auto` against: this machine's GPU, or, estimating from a machine
     without one, an Ampere-or-newer GPU with Liger installed (said in the output)."""
     from longft.hardware import Hardware
 

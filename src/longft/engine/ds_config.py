@@ -132,7 +132,7 @@ def build(cfg: Config, precision: str, hidden_size: int) -> dict:
         # read where no mpu is at hand (zero.Init under HfDeepSpeedConfig): the data-parallel world
         # is world / N; deepspeed.initialize gets DeepSpeed's Ulysses mpu itself
         ds["sequence_parallel_size"] = cfg.hardware.sequence_parallel
-        # the gradient path whose averaging the loss aggregation matches (sequence_parallel.py):
+        # the gradient path whose averaging the loss aggregation matches (engine/ulysses.py):
         # reduce-scatter divides by the whole world; DeepSpeed's all-reduce path (reduce_scatter
         # false) divides by the data-parallel world instead
         ds["zero_optimization"]["reduce_scatter"] = True

@@ -15,7 +15,7 @@ A second signal is a force-quit: the default handlers come back and KeyboardInte
 (no checkpoint; a third signal kills outright). Signals within `repeat_s` of the first count as the
 same request: a launcher or a scheduler passing on a signal the rank already got.
 
-In the train stage's process, `Relay` (launch.run) passes the stage's SIGINT/SIGTERM on to the rank
+In the train stage's process, `Relay` (launch.launch_ranks) passes the stage's SIGINT/SIGTERM on to the rank
 processes only. DeepSpeed's launcher (deepspeed/launcher/launch.py) would SIGTERM every rank and
 SIGKILL it 30 s later, too soon for a long step and a checkpoint. So the launcher runs in a session
 of its own, where a terminal's Ctrl-C does not reach it.

@@ -8,12 +8,12 @@ import math
 from longft.engine.batches import doc_kwargs, real_tokens
 
 
-def run(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False,
-        sp=None) -> dict:
+def step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False,
+         sp=None) -> dict:
     """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer.
     `packed`: hand each micro-batch's document boundaries to the attention. `sp`: a
-    sequence_parallel.SequenceParallel (each micro-step one slice of a row; the loss logged is
-    the whole row's mean), or None."""
+    ulysses.SequenceParallel (each micro-step one slice of a row; the loss logged is the whole
+    row's mean), or None."""
     fwd = bwd = 0.0
     losses, tokens, offloaded, doc_sq = [], 0, 0, 0
     skipped_before = engine.skipped_steps

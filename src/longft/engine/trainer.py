@@ -25,9 +25,9 @@ from longft.engine import (
     ds_config,
     grad_buffer,
     partial_offload,
-    sequence_parallel,
     stop,
     train_step,
+    ulysses,
 )
 from longft.engine.batches import (
     PASSES_BOUNDARIES,
@@ -117,7 +117,7 @@ class Session:
     rows: int = 0  # prepared training rows, for the passes over them (epoch)
     live: Any = None  # measure/live.LiveMetrics: rank 0's dvclive (and TensorBoard) curves
     evaluator: Evaluator | None = None  # the held-out split (engine/evaluate.py), None without one
-    sp: Any = None  # sequence_parallel.SequenceParallel with hardware.sequence_parallel > 1
+    sp: Any = None  # ulysses.SequenceParallel with hardware.sequence_parallel > 1
 
 
 def with_steps(cfg: Config, rows: int) -> Config:
@@ -222,10 +222,9 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
                                cfg.train.eval_every,
                                plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
     n_sp, mpu, sp = cfg.hardware.sequence_parallel, None, None
-    if n_sp > 1:  # DeepSpeed's Ulysses attention and process groups (engine/sequence_parallel.py)
-        mpu = sequence_parallel.register(model, n_sp, cfg.train.micro_batch_size,
-                                         cfg.data.max_seq_length)
-        sp = sequence_parallel.SequenceParallel.of(mpu)
+    if n_sp > 1:  # DeepSpeed's Ulysses attention and process groups (engine/ulysses.py)
+        mpu = ulysses.register(model, n_sp, cfg.train.micro_batch_size, cfg.data.max_seq_length)
+        sp = ulysses.SequenceParallel.of(mpu)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                       optimizer=client_optimizer(cfg),
@@ -335,10 +334,10 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
         with attention.context(plan.resolved.sdpa_backend.value):
             for step in bar:
                 progress.start_step(last_s)
-                rec = train_step.run(s.engine, s.batches,
-                                     cfg.grad_accum_steps * cfg.hardware.sequence_parallel, s.pad_id,
-                                     now, s.offloader,
-                                     plan.resolved.packed_attention.value in PASSES_BOUNDARIES, s.sp)
+                rec = train_step.step(s.engine, s.batches,
+                                      cfg.grad_accum_steps * cfg.hardware.sequence_parallel, s.pad_id,
+                                      now, s.offloader,
+                                      plan.resolved.packed_attention.value in PASSES_BOUNDARIES, s.sp)
                 progress.end_step()
                 last_s = rec["time_s"]
                 _log_step(s, cfg, plan, step, rec, log, bar)

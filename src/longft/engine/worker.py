@@ -65,7 +65,7 @@ def _main(argv: list[str] | None, stopper: StopRequest) -> int:
         print(f"longft train: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
-        if _port_taken(e):  # the stage says what to do (launch.run); a traceback would bury it
+        if _port_taken(e):  # the stage says what to do (launch.launch_ranks); a traceback would bury it
             print(f"longft train: rank {os.environ.get('RANK', '?')} could not listen on master "
                   f"port {os.environ.get('MASTER_PORT', '?')}: address already in use (EADDRINUSE)",
                   file=sys.stderr, flush=True)

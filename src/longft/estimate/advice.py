@@ -6,7 +6,7 @@ from `placement.search`.
     from longft.estimate.advice import alternatives, longest_contexts
     alts = alternatives(arch, base, ask)      # ask: Ask (machine, budgets, what the search allowed)
 
-Pure functions of the estimator; `longft plan` prints them (cli/estimate.py).
+Pure functions of the estimator; `longft placement` prints them (cli/placement_advice.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Ask:
 class Alternative:
     """One change to the asked run and the fastest candidate that fits with it (None: none does)."""
     change: str                      # what changes, in words
-    flags: str                       # the `longft plan` flags that plan it
+    flags: str                       # the `longft placement` flags that search it
     candidate: Candidate | None
     gpus: int = 1
     note: str = ""                   # why it does not fit, or what else it needs

@@ -1,4 +1,4 @@
-"""Placement search for `longft plan`: what trains (`Tuning`: all parameters, LoRA, QLoRA, 8-bit
+"""Placement search for `longft placement`: what trains (`Tuning`: all parameters, LoRA, QLoRA, 8-bit
 Adam) x offload x checkpointing x micro-batch, every candidate that fits (with checkpointing, the
 GPU memory left filled by `keep_on_gpu`: attention outputs kept, `checkpointing.keep_attention`,
 then checkpoints kept, `checkpointing.gpu_layers`), ranked by the speed heuristic (`speed`), the
@@ -7,7 +7,7 @@ choice among near-ties with its reason, and the params overlay of the chosen one
     from longft.estimate.placement import best, search
     choice = best(search(arch, base_setup, gpu_mem_gib=80, host_mem_gib=256, gpu_name=None))
 
-The command itself (arguments, output, the overlay file) is cli/plan.py; what fits when nothing
+The command itself (arguments, output, the overlay file) is cli/placement.py; what fits when nothing
 does is advice.py; the heuristic's constants and formula are in docs/estimator.md.
 """
 

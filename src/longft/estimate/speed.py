@@ -1,4 +1,4 @@
-"""The speed heuristic that ranks `longft plan`'s candidates: predicted seconds of an optimizer
+"""The speed heuristic that ranks `longft placement`'s candidates: predicted seconds of an optimizer
 step and tokens/s for a Setup (compute at a fixed share of the peak, host copies, CPU or GPU Adam,
 NVMe, QLoRA's dequantization). Its constants and formula are in docs/estimator.md; it ranks, its
 absolute numbers are 8-14 % low on the measured rows.

@@ -78,7 +78,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("; ".join(problems))
 
 
-def run(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     from longft.generate.loading import load_export
     from longft.generate.prompts import chat_prompt, held_out_prompts
 

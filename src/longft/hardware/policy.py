@@ -13,7 +13,7 @@ from __future__ import annotations
 from longft.config import cpu_rules, qlora
 from longft.config.params import Config, ConfigError
 from longft.config.plan import Choice
-from longft.hardware import sequence_parallel
+from longft.hardware import ulysses_rules
 from longft.hardware.machine import Hardware
 from longft.hardware.packed_policy import (
     LONGFT_KERNELS,
@@ -41,7 +41,7 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     """Resolve every knob for `hw`, in order; raise PlanError listing every problem at once.
     softcap: the model's attention logit softcapping (model.patches.attention_softcap), which
     the attention kernel must apply; heads: its (attention, key/value) head counts, which
-    hardware.sequence_parallel must divide (hardware/sequence_parallel.py)."""
+    hardware.sequence_parallel must divide (hardware/ulysses_rules.py)."""
     out: dict[str, Choice] = {}
     problems: list[str] = []
 
@@ -57,7 +57,7 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     attention = put("attention", resolve_attention(cfg, hw, device, softcap, precision))
     put("sdpa_backend", resolve_sdpa_backend(cfg, hw, device, attention))
     packed = put("packed_attention", resolve_packed_attention(cfg, hw, device, attention, precision))
-    problems.extend(sequence_parallel.problems(cfg, attention, packed, *(heads or (None, None))))
+    problems.extend(ulysses_rules.problems(cfg, attention, packed, *(heads or (None, None))))
     put("liger", resolve_liger(cfg, hw, device, model_type))
     put("tiled_mlp", resolve_tiled_mlp(cfg))
     put("checkpointing", resolve_checkpointing(cfg, device))

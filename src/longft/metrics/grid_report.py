@@ -244,7 +244,7 @@ def write_plot(res: GridResults, out_dir: Path) -> Path:
 
 # -- command line (longft report --grid: cli/main.py) ------------------------------------------------------------
 
-def run(args) -> int:
+def main(args) -> int:
     """`longft report --from-json DIR --grid GRID [--grid ...] [--out FILE] [--plots DIR]`."""
     prog = "longft report"
     if not args.from_json:

@@ -394,7 +394,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         " DIR/<row name>.json; repeat for several grids (metrics/grid_report.py)")
 
 
-def run(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     """The runs table (and plots); `longft report` hands --benchmarks and --grid to
     metrics/results_table.py and metrics/grid_report.py instead (cli/main.py)."""
     try:

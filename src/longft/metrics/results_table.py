@@ -186,7 +186,7 @@ def block_in(text: str) -> Optional[str]:
     return text[start:end + len(MARKERS[1])] + "\n"
 
 
-def run(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     try:
         text = render(args.benchmarks)
     except ResultsTableError as e:

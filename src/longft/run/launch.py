@@ -1,12 +1,12 @@
 """Start the training ranks through DeepSpeed's own launcher (or torchrun), never a home-made one.
 
-`command()` is a pure function of the config (tested on CPU); `run()` starts it with a host-memory
-sampler watching the whole process tree (launcher and every rank). The launcher runs in a session of
-its own; `run()` passes SIGINT/SIGTERM on to the ranks (a graceful stop, stop.py) and a guard process
-kills the launcher's group if this process dies first.
+`command()` is a pure function of the config (tested on CPU); `launch_ranks()` starts it with a
+host-memory sampler watching the whole process tree (launcher and every rank). The launcher runs in
+a session of its own; `launch_ranks()` passes SIGINT/SIGTERM on to the ranks (a graceful stop,
+stop.py) and a guard process kills the launcher's group if this process dies first.
 
-The ranks' stderr passes through `run()` (a pseudo-terminal when ours is one, so progress bars stay
-as they are), which watches it for the rendezvous port being taken (EADDRINUSE) between
+The ranks' stderr passes through `launch_ranks()` (a pseudo-terminal when ours is one, so progress
+bars stay as they are), which watches it for the rendezvous port being taken (EADDRINUSE) between
 `master_port()`'s check and the ranks' bind: with hardware.master_port auto the launch is retried
 on a fresh port; a pinned port gets a message instead of the ranks' tracebacks alone.
 """
@@ -173,8 +173,8 @@ def _port_of(cmd: list[str]) -> int | None:
         return None
 
 
-def run(cmd: list[str], env: dict, run_dir: Path, port: int | None = None,
-        auto_port: bool = False) -> int:
+def launch_ranks(cmd: list[str], env: dict, run_dir: Path, port: int | None = None,
+                 auto_port: bool = False) -> int:
     """Run the launcher with the host-memory sampler; return its exit code. `port`: drop the
     CPU all-reduce buffers of that port before and after. When the ranks fail because their
     --master_port was taken after it was found free: auto_port (hardware.master_port auto)

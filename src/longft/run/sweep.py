@@ -145,7 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="write scripts/bench.py overlays (DIR/NAME.yaml) instead of queuing")
 
 
-def run(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     try:
         rows = load(args.grid, Path("params.yaml"), tuple(args.only))
     except SweepError as e:

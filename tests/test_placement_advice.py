@@ -1,4 +1,4 @@
-"""`longft plan` with LoRA, QLoRA and 8-bit optimizer states (issue 31), what it says when nothing
+"""`longft placement` with LoRA, QLoRA and 8-bit optimizer states (issue 31), what it says when nothing
 fits, and overlays that are safe to merge (issue 36): on CPU with faked hardware."""
 
 import dataclasses
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from longft.cli.estimate import main
-from longft.cli.plan import tunings
+from longft.cli.placement import tunings
 from longft.config.params import Config, from_dict, merge, to_dict
 from longft.estimate.estimator import GIB, Setup, estimate, fits, setup_from_config
 from longft.estimate.placement import (
@@ -62,11 +62,11 @@ def _refit(over: dict, gpu_gib: float, host_gib: float, hw) -> bool:
 
 def test_the_24_gib_card_gets_an_answer(tmp_path, monkeypatch, on, capsys):
     """Issue 31's bar, exactly as a new user types it (no params file here: the defaults):
-    full-parameter 8B at 128K does not fit 24 GiB + 60 GiB; the plan says what does, with the
+    full-parameter 8B at 128K does not fit 24 GiB + 60 GiB; the search says what does, with the
     speed and the overlay, and the overlay fits by a fresh estimate."""
     monkeypatch.chdir(tmp_path)
     on(CPU)
-    rc = main("plan", "--gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072 "
+    rc = main("placement", "--gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072 "
                       "--optimizer-states any".split())
     out = capsys.readouterr().out
     assert rc == 1, out                                   # the asked run itself does not fit
@@ -81,7 +81,7 @@ def test_the_24_gib_card_gets_an_answer(tmp_path, monkeypatch, on, capsys):
         assert change in changes, change
     m = re.search(r"smallest change that fits: (.+?) \(~([\d,]+) tok/s predicted\)", out)
     assert m and m.group(1) == "LoRA r=16"
-    ov = _overlay_after(out, "# longft plan, instead of the asked run")
+    ov = _overlay_after(out, "# longft placement, instead of the asked run")
     assert ov["lora"] == {"rank": 16, "quantize": "none"} and ov["data"]["max_seq_length"] == 131072
     assert ov["model"] == {"name": "llama3.1-8b", "source": "random"}   # no params: it names it
     assert _refit(ov, 24, 60, CPU)
@@ -93,7 +93,7 @@ def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, o
     monkeypatch.chdir(tmp_path)
     on(CPU)
     out = tmp_path / "ov.yaml"
-    rc = main("plan", ["--gpu-mem", "8", "--host-mem", "16", "--model", "llama3.2-1b", "--seq",
+    rc = main("placement", ["--gpu-mem", "8", "--host-mem", "16", "--model", "llama3.2-1b", "--seq",
                        "65536", "--max-micro", "2", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 1 and not out.exists()
@@ -104,7 +104,7 @@ def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, o
     q = yaml.safe_load((tmp_path / "ov.qlora-nf4-r-16.yaml").read_text())
     assert q["lora"] == {"rank": 16, "quantize": "nf4"} and q["zero"]["stage"] == 2
     assert (tmp_path / "ov.lora-r-16.yaml").read_text().startswith(
-        "# longft plan, instead of the asked run: LoRA r=16")
+        "# longft placement, instead of the asked run: LoRA r=16")
     assert _refit(q, 8, 16, CPU)
     assert "(within 3 % of a budget)" in text            # the longest contexts fill a budget
 
@@ -163,13 +163,13 @@ def _params(tmp_path, **over):
 
 @pytest.mark.parametrize("model_flag", [[], ["--model", "llama3.1-8b"]])
 def test_overlay_keeps_the_params_model_data_and_lora(tmp_path, on, capsys, model_flag):
-    """Issue 36: a pretrained model with LoRA, planned without --model or by its architecture's
+    """Issue 36: a pretrained model with LoRA, searched for without --model or by its architecture's
     shipped name: the overlay keeps the weights (no model section) and LoRA, and touches data only
     by its length."""
     on(H200)
     p, raw = _params(tmp_path)
     out = tmp_path / "ov.yaml"
-    rc = main("plan", ["--gpu-mem", "80", "--host-mem", "256", "--seq", "32768", "--params", str(p),
+    rc = main("placement", ["--gpu-mem", "80", "--host-mem", "256", "--seq", "32768", "--params", str(p),
                        "--max-micro", "2", "--out", str(out), *model_flag])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -187,7 +187,7 @@ def test_overlay_for_another_model_says_it_replaces_the_params_model(tmp_path, o
     on(H200)
     p, _ = _params(tmp_path)
     out = tmp_path / "ov.yaml"
-    assert main("plan", ["--gpu-mem", "80", "--host-mem", "256", "--seq", "16384", "--params",
+    assert main("placement", ["--gpu-mem", "80", "--host-mem", "256", "--seq", "16384", "--params",
                          str(p), "--model", "llama3.2-1b", "--max-micro", "2", "--out",
                          str(out)]) == 0
     assert yaml.safe_load(out.read_text())["model"] == {"name": "llama3.2-1b", "source": "random"}
@@ -272,11 +272,11 @@ def test_max_context_knows_qlora(tmp_path, on, capsys):
     assert seq >= 65536                          # issue 31's bar for the 24 GiB QLoRA row
 
 
-def test_plan_refuses_what_it_cannot_plan(tmp_path, monkeypatch, on, capsys):
+def test_placement_refuses_what_it_cannot_search(tmp_path, monkeypatch, on, capsys):
     monkeypatch.chdir(tmp_path)
     on(CPU)
-    assert main("plan", ["--gpu-mem", "24", "--host-mem", "60", "--seq", "4096"]) == 2
+    assert main("placement", ["--gpu-mem", "24", "--host-mem", "60", "--seq", "4096"]) == 2
     assert "no --model and no params file" in capsys.readouterr().err
-    assert main("plan", ["--gpu-mem", "24", "--host-mem", "60", "--seq", "4096", "--model",
+    assert main("placement", ["--gpu-mem", "24", "--host-mem", "60", "--seq", "4096", "--model",
                          "llama3.2-1b", "--quantize", "nf4"]) == 2
     assert "add --lora RANK or --lora any" in capsys.readouterr().err

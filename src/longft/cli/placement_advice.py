@@ -1,4 +1,4 @@
-"""`longft plan` when nothing fits: the closest candidate, the longest context that fits for
+"""`longft placement` when nothing fits: the closest candidate, the longest context that fits for
 full-parameter, LoRA and QLoRA training, the smallest changes that make the asked run fit, each
 with its speed and overlay, and the overlay of the smallest in full (longft.estimate.advice
 computes them; this module prints them, and with --out writes each overlay beside it)."""
@@ -45,7 +45,7 @@ class _Overlays:
         if self.a.out:
             path = _alt_path(self.a.out, name)
             write_overlay(str(path), ov, c, self.a.gpu_mem, self.a.host_mem, quiet=True,
-                          title=f"longft plan, instead of the asked run: {name}")
+                          title=f"longft placement, instead of the asked run: {name}")
             self.written.append(path)
         return ov
 
@@ -90,8 +90,8 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], allowed, states, d
         return 1
     c = rec.candidate
     print(f"\nsmallest change that fits: {rec.change} (~{c.tokens_per_s:,.0f} tok/s predicted). "
-          f"Its overlay (merge onto {a.params}; `longft plan ... {rec.flags}` plans it as the "
-          "asked run):")
+          f"Its overlay (merge onto {a.params}; `longft placement ... {rec.flags}` "
+          "searches it as the asked run):")
     write_overlay(None, overlay(c, rec.gpus, model_over, None), c, a.gpu_mem, a.host_mem,
-                  title=f"longft plan, instead of the asked run: {rec.change}")
+                  title=f"longft placement, instead of the asked run: {rec.change}")
     return 1

@@ -1,4 +1,4 @@
-"""What hardware.sequence_parallel (DeepSpeed Ulysses, engine/sequence_parallel.py) can run with,
+"""What hardware.sequence_parallel (DeepSpeed Ulysses, engine/ulysses.py) can run with,
 checked up front with the resolved kernels and the model's head counts; each problem says why and
 what to change. The range checks (N divides num_gpus and max_seq_length) are in config/checks.py (_hardware).
 """

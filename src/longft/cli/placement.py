@@ -1,6 +1,6 @@
-"""`longft plan`: the fastest placement that fits, as a params overlay; when nothing fits, what does.
+"""`longft placement`: the fastest placement that fits, as a params overlay; when nothing fits, what does.
 
-    longft plan --gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072 \
+    longft placement --gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072 \
         [--params params.yaml] [--lora any|none|RANK] [--quantize any|none|nf4|int8] \
         [--optimizer any|adamw|adamw_8bit|paged_adamw_8bit] [--optimizer-states any|fp32|bf16] \
         [--nvme-path DIR] [--out overlay.yaml]
@@ -39,7 +39,7 @@ OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="longft plan",
+    ap = argparse.ArgumentParser(prog="longft placement",
                                  description="Fastest placement that fits, as a params overlay.")
     ap.add_argument("--gpu-mem", type=float, required=True, help="GiB of one GPU")
     ap.add_argument("--host-mem", type=float, required=True, help="GiB of host RAM")
@@ -97,8 +97,8 @@ def tunings(cfg, lora: str | None, quantize: str | None, optimizer: str | None) 
 
 
 def _model_overlay(a, base_cfg, shipped: bool) -> tuple[dict | None, str | None]:
-    """The overlay's model section and a note: none when the plan is for the base params' own model
-    (by name, or by the same architecture: a pretrained model planned by its shipped name keeps
+    """The overlay's model section and a note: none when the search is for the base params' own model
+    (by name, or by the same architecture: a pretrained model asked for by its shipped name keeps
     its weights); else the asked model (an architecture is a random-init run)."""
     if a.model is None or base_cfg is None or a.model == base_cfg.model.name:
         return None, None
@@ -116,11 +116,11 @@ def _model_overlay(a, base_cfg, shipped: bool) -> tuple[dict | None, str | None]
         return None, (f"{a.model} has the architecture of the params' model {m.name!r} "
                       f"({m.source}): the overlay keeps the params' model")
     return section, (f"the overlay sets model {section}: it replaces the params' model {m.name!r} "
-                     f"({m.source}); leave out --model to plan the params' own model")
+                     f"({m.source}); leave out --model to search for the params' own model")
 
 
 def _config(a):
-    """(the Config to plan, the overlay's model section or None, a note about it or None): the
+    """(the Config to search placements for, the overlay's model section or None, a note about it or None): the
     base params (or the defaults) at --seq and --gpus, with --model where it is another model."""
     from longft.config.params import from_dict, load
     from longft.model.loading import shipped_architectures
@@ -139,20 +139,20 @@ def _config(a):
     return cfg, model_over, model_note
 
 
-def cmd_plan(argv: list[str]) -> int:
+def cmd_placement(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     from longft.cli.target import architecture_of, resolve_on_gpu
     from longft.estimate.estimator import setup_from_config
     from longft.hardware import detect
 
     if a.model is None and not Path(a.params).is_file():
-        print("longft plan: no --model and no params file to take it from", file=sys.stderr)
+        print("longft placement: no --model and no params file to take it from", file=sys.stderr)
         return 2
     cfg, model_over, model_note = _config(a)
     try:
         allowed = tunings(cfg, a.lora, a.quantize, a.optimizer)
     except ValueError as e:
-        print(f"longft plan: {e}", file=sys.stderr)
+        print(f"longft placement: {e}", file=sys.stderr)
         return 2
     hw = detect()
     arch = architecture_of(cfg.model)
@@ -162,7 +162,7 @@ def cmd_plan(argv: list[str]) -> int:
     wanted = a.optimizer_states or cfg.zero.optimizer_states
     states = ("fp32", "bf16") if wanted == "any" else (wanted,)
     if "bf16" in states and base.precision != "bf16":
-        print(f"longft plan: bf16 optimizer states need precision bf16 (resolved {base.precision}); "
+        print(f"longft placement: bf16 optimizer states need precision bf16 (resolved {base.precision}); "
               "searching fp32 states only", file=sys.stderr)
         states = ("fp32",)
     disk = None
@@ -171,14 +171,14 @@ def cmd_plan(argv: list[str]) -> int:
 
         bad = nvme.path_problems(a.nvme_path, 0)
         if bad:
-            print("longft plan: " + "; ".join(bad), file=sys.stderr)
+            print("longft placement: " + "; ".join(bad), file=sys.stderr)
             return 2
         disk = shutil.disk_usage(a.nvme_path).free / GIB
     cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro,
                    share_grads=cfg.zero.host_grad_buffer != "full", states=states, disk_gib=disk,
                    tunings=allowed)
     model_name = a.model or cfg.model.name
-    print(f"longft plan: {model_name}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
+    print(f"longft placement: {model_name}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
           f"host {a.host_mem:g} GiB")
     for n in notes + ([model_note] if model_note else []):
         print(f"note: {n}")
@@ -188,7 +188,7 @@ def cmd_plan(argv: list[str]) -> int:
     _print_fitting(cands, a.gpu_mem, a.host_mem)
     choice = best(cands, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem)
     if choice is None:
-        from longft.cli.plan_advice import nothing_fits
+        from longft.cli.placement_advice import nothing_fits
 
         return nothing_fits(a, arch, base, cands, allowed, states, disk, cfg, gpu_name, model_over)
     print(f"\nchosen: {describe_placement(choice)} (~{choice.tokens_per_s:,.0f} tok/s predicted)")
