@@ -101,7 +101,7 @@ def _run_worker(monkeypatch, plan_files: Path, run_dir: Path, error: BaseExcepti
     def step(*a, **k):
         raise error
 
-    monkeypatch.setattr(train_step, "run", step)
+    monkeypatch.setattr(train_step, "step", step)
     return worker._main(["--params", str(plan_files / "params.yaml"),
                          "--plan", str(plan_files / "plan.json"),
                          "--ds-config", str(plan_files / "ds_config.json"),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from longft.atomic import write_text
+from longft.errors import UserError
 
 MARKERS = ("<!-- results-table -->", "<!-- /results-table -->")
 """BENCHMARKS.md's generated block lies between these two lines."""
@@ -83,8 +84,8 @@ NOTES = (
     "result in bench/results yet: bench/LOG.md has them.")
 
 
-class ResultsTableError(Exception):
-    """A listed result file is missing or not a complete bench result."""
+class ResultsTableError(UserError):
+    """A listed result file is missing or not a complete bench result; the message names it."""
 
 
 def _read(folder: Path, stem: str) -> dict:
