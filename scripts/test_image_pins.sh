@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA images' own pins, tested on CPU (CI runs this after the main suite):
-#   bash scripts/test_image_pins.sh [VENV]      # VENV default: $TMPDIR/longft-image-pins
+#   bash scripts/test_image_pins.sh [VENV]                 # VENV default: $TMPDIR/longft-image-pins
+#   bash scripts/test_image_pins.sh --install-only [VENV]  # step 1 only (CI runs it beside the slow tier)
 #
 # 1. A venv as Dockerfile.v100 / Dockerfile.ampere build theirs: requirements/v100.txt and
 #    ampere.txt (torch 2.9.1, the build tools, einops), then requirements/common.txt constrained by
@@ -14,6 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+INSTALL_ONLY=
+if [ "${1:-}" = "--install-only" ]; then INSTALL_ONLY=1; shift; fi
 VENV=${1:-${TMPDIR:-/tmp}/longft-image-pins}
 PY=python3
 for p in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
@@ -36,6 +39,7 @@ if ! "$VENV/bin/python" -c "import torch, deepspeed, longft" 2>/dev/null; then
     tensorboard
   "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
 fi
+if [ -n "$INSTALL_ONLY" ]; then say "installed"; exit 0; fi
 "$VENV/bin/python" -m pip check
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, deepspeed
