@@ -105,8 +105,11 @@ class Earlier:
         run_owner = _read_record(self.run_dir).get("fingerprint") if self.run_dir.is_dir() else None
         here = self.run_dir.is_dir() and any(self.run_dir.iterdir())
         aside = any(dst == self.previous for _, dst in self.moves)  # already, by _bring_back
-        if here and not aside and (not self.resumable or run_owner != self.fingerprint):
-            # the run before this one (a finished run, or another configuration's): kept aside
+        other = run_owner is not None and run_owner != self.fingerprint
+        if here and not aside and (not self.resumable or other):
+            # the run before this one (a finished run, or another configuration's): kept aside.
+            # Records without an owner (a rank run on its own, an older longft) beside a
+            # resumable checkpoint of this configuration are the steps the resumed run continues
             self._set_aside()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._record(self.run_dir, {"fingerprint": self.fingerprint})
