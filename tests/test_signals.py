@@ -163,8 +163,10 @@ def _stage(tmp_path, parent=False):
         cmd = [sys.executable, "-c", "import subprocess, sys, time\n"
                f"subprocess.Popen({cmd!r})\ntime.sleep(600)"]
     proc = subprocess.Popen(cmd, start_new_session=True)
-    assert _wait_for(lambda: (tmp_path / "rank_pid").is_file(), proc=proc), "rank did not start"
-    return proc, int((tmp_path / "rank_pid").read_text())
+    pid_file = tmp_path / "rank_pid"  # created, then written: wait for its digits, not for it
+    assert _wait_for(lambda: pid_file.is_file() and pid_file.read_text().strip(), proc=proc), \
+        "rank did not start"
+    return proc, int(pid_file.read_text())
 
 
 def _gone(pid):
