@@ -326,7 +326,8 @@ def test_pip_resolves_every_pin_for_the_image(name, tmp_path):
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps",
            "--only-binary=:all:", "--no-binary=deepspeed", "--python-version", img.python,
            "--implementation", "cp", *[a for p in platforms for a in ("--platform", p)],
-           "-r", str(REQ / f"{name}.txt"), "-r", str(REQ / "common.txt"), "--report", str(report), "-q"]
+           "-r", str(REQ / f"{name}.txt"), "-r", str(REQ / "common.txt"), "--report", str(report), "-q",
+           "--target", str(tmp_path / "target")]  # pip < 24 wants a target with --platform
     # This machine's pip configuration (extra indexes, find-links, constraints) is not the image's.
     env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CONSTRAINT")}
     env["PIP_CONFIG_FILE"] = os.devnull
