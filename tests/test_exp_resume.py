@@ -5,7 +5,6 @@ says which checkpoint was used and why, or why none; setting the params back res
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from checkout_copy import copy_checkout
 from longft.config.params import Config, merge, to_dict
 from venv_shell import run
 
@@ -37,13 +37,7 @@ def records(root, kind="iter"):
 
 def repo(tmp_path):
     root = tmp_path / "repo"
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
-    for f in files:
-        if f == "dvc.lock" or f.startswith(("metrics/", "bench/")) or not (REPO / f).is_file():
-            continue
-        (root / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / f, root / f)
+    copy_checkout(root)
     params = merge(to_dict(Config()), PARAMS)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     git = ("git", "-c", "user.email=t@t", "-c", "user.name=t")

@@ -12,13 +12,12 @@ The tests share one repository and run in file order (the width check before the
 
 import json
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from checkout_copy import copy_checkout
 from longft.config.params import Config, merge, to_dict
 from longft.metrics.summary import HEADLINE
 from venv_shell import run
@@ -48,13 +47,7 @@ def quickstart_block(readme: Path) -> str:
 def repo(tmp_path_factory):
     """A committed baseline run (synthetic data, random tiny Llama) and experiment lr-lora."""
     root = tmp_path_factory.mktemp("exps") / "repo"
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
-    for f in files:
-        if f == "dvc.lock" or f.startswith(("metrics/", "bench/", "tests/")):
-            continue
-        (root / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / f, root / f)
+    copy_checkout(root, with_tests=False)
     # the shipped params (the dataclass defaults) made quick, not the workspace's params.yaml
     params = merge(to_dict(Config()), {"data": {"num_samples": 8, "eval_samples": 4},
                                        "train": {"iterations": 3, "warmup_iterations": 1},

@@ -2,13 +2,12 @@
 when only `output` changed, and used to delete export/ first) leaves the last finetuned model in
 export/, loadable; `dvc status` still says train must run (issue 20)."""
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from checkout_copy import copy_checkout
 from longft.config.params import Config, merge, to_dict
 from venv_shell import run
 
@@ -31,13 +30,7 @@ def test_a_refused_typo_keeps_the_last_export_and_dvc_status_stays_honest(tmp_pa
     from transformers import AutoModelForCausalLM
 
     root = tmp_path / "repo"
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
-    for f in files:
-        if f == "dvc.lock" or f.startswith(("metrics/", "bench/")) or not (REPO / f).is_file():
-            continue
-        (root / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / f, root / f)
+    copy_checkout(root)
     write_params(root)
     git = ("git", "-c", "user.email=t@t", "-c", "user.name=t")
     sh("git", "init", "-q", cwd=root)

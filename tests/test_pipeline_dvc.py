@@ -3,13 +3,12 @@ change that re-runs only the stages that read it, and `dvc metrics diff` showing
 The same run is the ZeRO-3 + CPU-offload training whose loss must fall on the synthetic task."""
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from checkout_copy import copy_checkout
 from longft.config.params import Config, merge, to_dict
 from venv_shell import run
 
@@ -25,13 +24,7 @@ def sh(*cmd, cwd, check=True):
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e") / "repo"
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
-    for f in files:
-        if f == "dvc.lock" or f.startswith(("metrics/", "bench/")):
-            continue
-        (root / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / f, root / f)
+    copy_checkout(root)
     # the shipped params (the dataclass defaults), not the workspace's params.yaml a user edits
     params = merge(to_dict(Config()), {"data": {"num_samples": 12},
                                        "train": {"iterations": 8, "warmup_iterations": 2},

@@ -4,13 +4,13 @@ stage refuses to run while one is not tracked. The DVC part runs the real `dvc` 
 repository: editing the data file makes `dvc status` report prepare changed."""
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from checkout_copy import copy_checkout
 from longft.config.params import NOTHING_TO_TRACK, Config, ConfigError, from_dict, merge, to_dict
 from longft.data.tracked import check_tracked, left_to_git, untracked
 from venv_shell import run
@@ -92,13 +92,7 @@ def sh(*cmd, cwd, check=True):
 @pytest.mark.slow
 def test_editing_the_data_file_makes_dvc_rerun_prepare(tmp_path):
     root = tmp_path / "repo"
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
-    for f in files:
-        if f == "dvc.lock" or f.startswith(("metrics/", "bench/", "tests/")):
-            continue
-        (root / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / f, root / f)
+    copy_checkout(root, with_tests=False)
     (root / "mydata").mkdir()
     data = root / "mydata" / "train.jsonl"
     data.write_text(records(60))
