@@ -74,7 +74,9 @@ def test_the_24_gib_card_gets_an_answer(tmp_path, monkeypatch, on, capsys):
     longest = out[out.index("longest context that fits"):out.index("changes that make")]
     assert re.search(r"full-parameter\s+none fits", longest)
     assert re.search(r"LoRA r=16\s+131,072 tokens\s+~\s*[\d,]+ tok/s", longest)
-    assert re.search(r"QLoRA nf4 r=16\s+131,072 tokens\s+~\s*[\d,]+ tok/s \(unmeasured\)", longest)
+    # QLoRA at 128K ran out of memory on the emulated 24 GiB card (bench/LOG.md): shorter, said so
+    m = re.search(r"QLoRA nf4 r=16\s+([\d,]+) tokens\s+~\s*[\d,]+ tok/s \(unmeasured\)", longest)
+    assert m and 65536 <= int(m.group(1).replace(",", "")) < 131072, longest
     changes = out[out.index("changes that make"):out.index("smallest change that fits")]
     for change in ("8-bit optimizer states", "optimizer states on NVMe", "LoRA r=16",
                    "QLoRA nf4 r=16", "more GPUs", "shorter context"):
@@ -89,7 +91,8 @@ def test_the_24_gib_card_gets_an_answer(tmp_path, monkeypatch, on, capsys):
 
 def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, on, capsys):
     """Nothing fits Llama-3.2-1B full-parameter at 64K on 8 GiB + 16 GiB; --out gets no overlay
-    of the asked run (it does not fit), but each fitting alternative's overlay beside it."""
+    of the asked run (it does not fit), but each fitting alternative's overlay beside it (QLoRA
+    fits only a shorter context there)."""
     monkeypatch.chdir(tmp_path)
     on(CPU)
     out = tmp_path / "ov.yaml"
@@ -97,11 +100,11 @@ def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, o
                        "65536", "--max-micro", "2", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 1 and not out.exists()
-    assert text.count("overlay: {") == 4                 # longest LoRA, QLoRA; LoRA, QLoRA at 64K
+    assert text.count("overlay: {") == 3                 # longest LoRA, QLoRA; LoRA at 64K
     files = sorted(p.name for p in tmp_path.glob("ov.*.yaml"))
     assert files == ["ov.longest-lora-r-16.yaml", "ov.longest-qlora-nf4-r-16.yaml",
-                     "ov.lora-r-16.yaml", "ov.qlora-nf4-r-16.yaml"]
-    q = yaml.safe_load((tmp_path / "ov.qlora-nf4-r-16.yaml").read_text())
+                     "ov.lora-r-16.yaml"]
+    q = yaml.safe_load((tmp_path / "ov.longest-qlora-nf4-r-16.yaml").read_text())
     assert q["lora"] == {"rank": 16, "quantize": "nf4"} and q["zero"]["stage"] == 2
     assert (tmp_path / "ov.lora-r-16.yaml").read_text().startswith(
         "# longft placement, instead of the asked run: LoRA r=16")
@@ -114,7 +117,8 @@ def test_qlora_and_8bit_are_searched_only_when_allowed():
     assert {(c.setup.lora_rank, c.setup.quantize, c.setup.optimizer) for c in full} == {
         (0, "none", "adamw")}
     assert not any(c.fit.ok for c in full)
-    q = search(ARCH_8B, BASE_8B, 24, 60, None, max_micro=1, tunings=(Tuning(16, "nf4"),))
+    q = search(ARCH_8B, dataclasses.replace(BASE_8B, seq_len=65536), 24, 60, None, max_micro=1,
+               tunings=(Tuning(16, "nf4"),))
     assert q and all(c.setup.zero_stage == 2 and c.offload in ("none", "opt") for c in q)
     choice = best(q, gpu_mem_gib=24, host_mem_gib=60)
     assert choice is not None and choice.setup.quantize == "nf4"

@@ -75,8 +75,10 @@ def unmeasured(s: Setup) -> list[str]:
     """Notes for the parts of a setup that no measured row has checked yet (QLoRA, 8-bit Adam)."""
     out = []
     if s.quantize != "none":
-        out.append(f"QLoRA ({s.quantize}, ZeRO-2): the quantized weights are bitsandbytes' own bytes; "
-                   "the dequantization transient, the host build and the speed are unmeasured")
+        out.append(f"QLoRA ({s.quantize}, ZeRO-2): the quantized weights are bitsandbytes' own bytes"
+                   + ("; the activations carry a surplus measured on one 8B row, not yet attributed"
+                      if s.quantize == "nf4" else "; int8 has no measured row")
+                   + "; the host build and the speed are unmeasured")
     if s.optimizer != "adamw":
         out.append(f"{s.optimizer}: 8-bit Adam states at bitsandbytes' own bytes, unmeasured"
                    + ("; paged states may spill to the host, counted on the GPU"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from longft.estimate.arch import Numbers, dims, layer_params
-from longft.estimate.quantized import adam8_state_bytes, dequant_workspace_bytes
+from longft.estimate.quantized import QLORA_SURPLUS_H, adam8_state_bytes, dequant_workspace_bytes
 from longft.estimate.types import LOSS_CHUNK_MEM, PHASES, Item, Setup
 from longft.model.tiled_mlp import tiles
 
@@ -268,6 +268,9 @@ def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         f"{n_saved} x micro x seq x {act['saved']:,} B/token")
     gpu("backward transients of one layer", T * (act["peak"] - act["saved"]), ("backward",),
         f"micro x seq x {act['peak'] - act['saved']:,} B/token (peak {act['peak']:,} B/token)")
+    if s.quantize == "nf4":
+        gpu("QLoRA: measured surplus, not itemised", T * round(QLORA_SURPLUS_H * x * h), ("backward",),
+            f"micro x seq x {QLORA_SURPLUS_H} x h x {x} B (the 24 GiB QLoRA row, docs/estimator.md)")
     gpu("final layer output + norm output", 2 * ckpt, ("loss",), "2 x micro x seq x h x B")
     if s.liger:
         chunk = min(1 << (math.ceil(T / math.ceil(V / (LOSS_CHUNK_MEM * h))) - 1).bit_length(), T)

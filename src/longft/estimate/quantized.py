@@ -24,6 +24,13 @@ ADAM8_BLOCK = 256
 ADAM8_QMAPS = 2 * 256 * 4
 """Per tensor the 8-bit optimizer steps: the two 256-entry fp32 quantization maps (qmap1, qmap2)."""
 EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
+QLORA_SURPLUS_H = 4.9
+"""NF4 QLoRA's measured surplus over the itemised estimate, per token in units of `x·h` (the
+activation dtype's bytes times the hidden size): the emulated 24 GiB row at 32K tokens
+(`h200-8b-qlora-32k-cap24`, bench/LOG.md) allocated 4.88 of them per token more than the items
+above, and its 128K twin ran out of memory where the items alone said it fits. Not yet attributed
+(the profiler will tell); counted per token and untiled, so that the planner does not offer a QLoRA
+run that runs out of memory. int8 has no measured row and no surplus."""
 
 
 def _ceil(a: int, b: int) -> int:

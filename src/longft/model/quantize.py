@@ -25,7 +25,40 @@ def _bnb():
         from longft.errors import UserError
         raise UserError(f"lora.quantize needs bitsandbytes ({e}); pip install 'longft[qlora]' or "
                         "set lora.quantize: none") from None
+    _dequantize_flat_on_cpu(bitsandbytes.functional)
     return bitsandbytes
+
+
+def _dequantize_flat_on_cpu(F) -> None:
+    """Make bitsandbytes' 4-bit dequantization exact on the CPU for every weight shape (once).
+
+    bitsandbytes 0.50's compiled CPU kernel (used where the CPU has AVX-512) takes the absmax blocks
+    row by row, while quantize_4bit blocks the flat tensor: a weight whose rows are not a multiple of
+    the blocksize (64) comes back wrong (a relative error of about 0.25 instead of 0.09, e.g. a
+    down_proj with 176 inputs), in training and in the merged export alike. Asked for the flat
+    shape, the same kernel is exact; the result is reshaped. GPUs and other shapes are untouched.
+    bitsandbytes' matmul and layers, peft's merge and this module look `dequantize_4bit` up on the
+    module at each call, so the wrapper serves them (a call with `out=` keeps the original)."""
+    import copy
+    import math
+
+    import torch
+
+    original = F.dequantize_4bit
+    if getattr(original, "_longft_flat_on_cpu", False):
+        return
+
+    def dequantize_4bit(A, quant_state=None, *args, **kwargs):
+        qs = quant_state
+        if (qs is None or A.device.type != "cpu" or len(qs.shape) < 2 or args or "out" in kwargs
+                or qs.shape[-1] % qs.blocksize == 0):
+            return original(A, quant_state, *args, **kwargs)
+        flat = copy.copy(qs)
+        flat.shape = torch.Size([math.prod(qs.shape)])
+        return original(A, flat, *args, **kwargs).reshape(qs.shape)
+
+    dequantize_4bit._longft_flat_on_cpu = True
+    F.dequantize_4bit = dequantize_4bit
 
 
 def targets(model, names: tuple[str, ...]) -> list[tuple[str, object]]:
@@ -55,6 +88,10 @@ def quantize_linears(model, names: tuple[str, ...], kind: str, compute_dtype, de
                                   quant_type="nf4", device="meta")
             q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True,
                                          quant_type="nf4")
+            # On an AVX512-BF16 CPU, bitsandbytes repacks the weight in place for a no-grad eval
+            # forward (the evaluator's) and its gemv then fails on widths that are not whole
+            # blocks; the plain dequantize path serves training and evaluation alike.
+            q.support_avx512bf16_for_cpu = False
         elif kind == "int8":
             q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=bias,
                                     has_fp16_weights=False, threshold=6.0, device="meta")
