@@ -192,3 +192,36 @@ def test_a_run_stopped_inside_the_profiled_steps_unwraps_the_optimizer(tmp_path)
     assert "step" in vars(opt)
     prof.close()
     assert "step" not in vars(opt) and not (tmp_path / "profile").exists()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_split_has_compute_and_host_device_copies(tmp_path):
+    """The train stage on CUDA with DeepSpeed's CPU Adam (zero.offload_optimizer cpu): the profiled
+    step's split has kernels, gradients copied to the host and updated weights copied back."""
+    import torch
+    import yaml
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from longft.config.params import Config, merge, to_dict
+    from longft.run.pipeline import run_all
+
+    params = merge(to_dict(Config()), {
+        "data": {"num_samples": 6, "max_seq_length": 1024, "eval_samples": 0},
+        "train": {"iterations": 3, "warmup_iterations": 1, "global_batch_size": 1},
+        "zero": {"offload_optimizer": "cpu"}, "hardware": {"device": "cuda"},
+        "output": {"save_checkpoint": False, "export": False, "profile_steps": 1}})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    run_all(tmp_path / "params.yaml", tmp_path, ("prepare", "patch", "train"))
+    prof = tmp_path / "run" / "profile"
+    s = json.loads((prof / "rank0.split.json").read_text())
+    assert s["steps"] == [2] and s["gpu"] is True and s["optimizer"] == "DeepSpeedCPUAdam"
+    t = s["total"]
+    assert t["forward"]["compute_s"] > 0 and t["backward"]["compute_s"] > 0
+    assert t["wall"]["htod_s"] > 0 and t["wall"]["dtoh_s"] > 0  # weights in, gradients out
+    for phase in ("wall", "forward", "backward", "optimizer", "update"):
+        v = t[phase]
+        assert 0 <= v["gpu_idle_s"] <= v["time_s"], phase
+        assert v["copy_overlap_s"] <= min(v["compute_s"], v["htod_s"] + v["dtoh_s"] + v["other_copy_s"]), phase
+    assert t["update"]["time_s"] > 0
+    assert (prof / "rank0.trace.json.gz").stat().st_size > 0
