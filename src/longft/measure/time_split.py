@@ -101,10 +101,10 @@ def table(s: dict, optimizer: str) -> str:
     rows = [("step (wall)", t["wall"]), ("forward", t["forward"]), ("backward", t["backward"]),
             ("optimizer", t["optimizer"]), (f"  update ({optimizer})", t["update"]),
             ("other", {"time_s": t["other_s"]})]
-    w = max(len(r[0]) for r in rows)
-    head = f"{'':{w}}" + "".join(f" {c:>13}" for _, c in cols)
+    w, cw = max(len(r[0]) for r in rows), [max(len(c), 8) for _, c in cols]
+    head = f"{'':{w}}" + "".join(f"  {c:>{n}}" for (_, c), n in zip(cols, cw))
     lines = [f"time split of profiled step(s) {first}..{last}, summed, seconds:", head]
     for name, v in rows:
         lines.append(f"{name:{w}}" + "".join(
-            f" {v[k]:13.4f}" if k in v else f" {'':13}" for k, _ in cols))
-    return "\n".join(lines)
+            f"  {v[k]:{n}.4f}" if k in v else f"  {'':{n}}" for (k, _), n in zip(cols, cw)))
+    return "\n".join(line.rstrip() for line in lines)
