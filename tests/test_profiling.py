@@ -109,6 +109,18 @@ def test_profiled_steps_follow_the_warmup_and_a_resumed_run_profiles_what_is_lef
     assert profiling.steps(_cfg(2), start=4) == range(5, 5)
 
 
+def test_rank_0_says_when_fewer_steps_are_profiled(tmp_path, capsys):
+    engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer="inner"))
+    prof = profiling.StepProfiler.of(_cfg(3), tmp_path, rank=0, start=3, cuda=False, engine=engine)
+    assert prof.steps == range(4, 6) and prof.optimizer == "inner"  # ZeRO's basic optimizer
+    assert "steps 4..5 profiled (the run has 6 steps and resumed after step 3)" in capsys.readouterr().out
+    prof = profiling.StepProfiler.of(_cfg(3), tmp_path, rank=0, start=6, cuda=False, engine=object())
+    assert prof.steps == range(7, 6) and prof.optimizer is None
+    assert "no step profiled, the run resumed after step 6" in capsys.readouterr().out
+    profiling.StepProfiler.of(_cfg(3), tmp_path, rank=1, start=6, cuda=False, engine=object())
+    assert capsys.readouterr().out == ""
+
+
 class FakeEngine:
     """What train_step.step uses of a DeepSpeed engine, over a plain torch model and AdamW:
     the optimizer steps on every `accum`-th engine.step(), as DeepSpeed's does."""

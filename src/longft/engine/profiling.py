@@ -45,10 +45,11 @@ class StepProfiler:
 
     @classmethod
     def of(cls, cfg: Config, run_dir: Path, rank: int, start: int, cuda: bool, engine):
-        todo, w, n = steps(cfg, start), cfg.train.warmup_iterations, cfg.output.profile_steps
-        if rank == 0 and n and w + n > cfg.train.iterations:
-            print(f"longft: output.profile_steps {n}: the run has {cfg.train.iterations} steps "
-                  f"(train.epochs), so steps {w + 1}..{cfg.train.iterations} are profiled", flush=True)
+        """The profiler of output.profile_steps for a run that resumed after `start`, timing the
+        update of `engine`'s inner optimizer; rank 0 says when fewer steps are profiled."""
+        todo = steps(cfg, start)
+        if rank == 0:
+            _say_fewer(cfg, start, todo)
         return cls(run_dir, rank, todo, cuda, update_optimizer(engine) if todo else None)
 
     def marks(self, step: int) -> dict:
@@ -105,6 +106,18 @@ class StepProfiler:
             print(f"longft: {time_split.table(split, name or '-')}\nlongft: profile of rank 0 in "
                   f"{trace} (open it in https://ui.perfetto.dev); split in "
                   f"{self.dir / 'rank0.split.json'}", flush=True)
+
+
+def _say_fewer(cfg: Config, start: int, todo: range) -> None:
+    """A note when the run profiles fewer than output.profile_steps steps, and why."""
+    w, n, it = cfg.train.warmup_iterations, cfg.output.profile_steps, cfg.train.iterations
+    if n and not todo:
+        print(f"longft: output.profile_steps {n}: no step profiled, the run resumed after step "
+              f"{start}, past the profiled steps {w + 1}..{w + n}; set output.resume: false (or "
+              f"remove the checkpoints) to profile them", flush=True)
+    elif n and len(todo) < n:
+        print(f"longft: output.profile_steps {n}: steps {todo[0]}..{todo[-1]} profiled (the run has "
+              f"{it} steps{'' if start <= w else f' and resumed after step {start}'})", flush=True)
 
 
 def _time_update(optimizer):
