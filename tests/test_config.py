@@ -204,7 +204,6 @@ def test_long_context_knobs_are_validated():
     assert ok.checkpointing.gpu_layers == 20 and ok.hardware.expandable_segments is False
 
 
-
 def test_profile_steps_must_lie_within_the_run():
     def problem(n, iterations=6, warmup=2):
         with pytest.raises(ConfigError) as e:
@@ -213,11 +212,12 @@ def test_profile_steps_must_lie_within_the_run():
         return str(e.value)
 
     assert "output.profile_steps: must be >= 0 (0 = off), got -1" in problem(-1)
-    assert ("output.profile_steps (5) would profile steps 3..7 (after train.warmup_iterations 2) but "
-            "train.iterations is 6: set output.profile_steps to at most 4 or train.iterations to at "
-            "least 7") in problem(5)
+    assert ("output.profile_steps (4) would profile steps 3..6 (after train.warmup_iterations 2) and "
+            "leave no timed step of train.iterations 6: set output.profile_steps to at most 3 or "
+            "train.iterations to at least 7") in problem(4)
+    assert "profile steps 3..7" in problem(5)
     assert from_dict({"train": {"iterations": 6, "warmup_iterations": 2},
-                      "output": {"profile_steps": 4}}).output.profile_steps == 4
+                      "output": {"profile_steps": 3}}).output.profile_steps == 3
     # with train.epochs the train stage profiles the steps there are (engine/profiling.steps)
     assert from_dict({"train": {"iterations": None, "epochs": 1.0},
                       "output": {"profile_steps": 50}}).output.profile_steps == 50

@@ -47,6 +47,7 @@ EVENTS = [
     _x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 280, 70),
     _x("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 650, 100),
     _x("Memset (Device)", "gpu_memset", 760, 20),
+    _x("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "kernel", 780, 10),  # a collective: not compute
     _x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 900, 10),
 ]
 US = 1e-6
@@ -59,17 +60,17 @@ def test_split_by_hand_with_gpu_events():
     assert one["step"] == 7
     # forward 100..400: kernels 150..300, HtoD 280..350 (20 of it under a kernel), GPU busy 150..350
     assert one["forward"] == pytest.approx({"time_s": 300 * US, "compute_s": 150 * US, "htod_s": 70 * US,
-                                            "dtoh_s": 0, "other_copy_s": 0, "copy_overlap_s": 20 * US,
+                                            "comm_s": 0, "dtoh_s": 0, "other_copy_s": 0, "copy_overlap_s": 20 * US,
                                             "gpu_idle_s": 100 * US})
-    # backward 400..800: kernel 500..700, DtoH 650..750, memset 760..780: busy 250 + 20
+    # backward 400..800: kernel 500..700, DtoH 650..750, memset 760..780, NCCL 780..790: busy 250 + 30
     assert one["backward"] == pytest.approx({"time_s": 400 * US, "compute_s": 200 * US, "htod_s": 0,
-                                             "dtoh_s": 100 * US, "other_copy_s": 20 * US,
-                                             "copy_overlap_s": 50 * US, "gpu_idle_s": 130 * US})
+                                             "comm_s": 10 * US, "dtoh_s": 100 * US, "other_copy_s": 20 * US,
+                                             "copy_overlap_s": 50 * US, "gpu_idle_s": 120 * US})
     assert one["optimizer"]["other_copy_s"] == pytest.approx(10 * US)
     assert one["optimizer"]["gpu_idle_s"] == pytest.approx(90 * US)
     assert one["update"]["time_s"] == pytest.approx(50 * US) and one["update"]["gpu_idle_s"] == pytest.approx(40 * US)
     assert one["wall"]["compute_s"] == pytest.approx(350 * US)
-    assert one["wall"]["gpu_idle_s"] == pytest.approx((1000 - 480) * US)
+    assert one["wall"]["gpu_idle_s"] == pytest.approx((1000 - 490) * US)
     assert one["other_s"] == pytest.approx(200 * US)
     two = s["per_step"][1]
     assert two["forward"]["time_s"] == pytest.approx(150 * US) and two["forward"]["compute_s"] == 0
@@ -204,6 +205,33 @@ def test_a_run_stopped_inside_the_profiled_steps_unwraps_the_optimizer(tmp_path)
     assert "step" in vars(opt)
     prof.close()
     assert "step" not in vars(opt) and not (tmp_path / "profile").exists()
+
+
+def test_an_earlier_runs_files_go_and_a_failed_split_does_not_stop_training(tmp_path, capsys,
+                                                                           monkeypatch):
+    import torch
+
+    old = tmp_path / "profile"
+    old.mkdir()
+    for name in ("rank0.split.json", "rank0.trace.json.gz", "rank1.split.json"):
+        (old / name).write_text("{}")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    engine = SimpleNamespace(optimizer=opt)
+    # resumed past the profiled steps: nothing profiled, the earlier files stay (and it says why)
+    profiling.StepProfiler.of(_cfg(2), tmp_path, rank=0, start=6, cuda=False, engine=engine)
+    assert (old / "rank0.split.json").exists()
+    prof = profiling.StepProfiler.of(_cfg(2), tmp_path, rank=0, start=0, cuda=False, engine=engine)
+    assert sorted(p.name for p in old.iterdir()) == ["rank1.split.json"]  # its own rank's only
+
+    def broken(events, steps):
+        raise ValueError("a trace it cannot read")
+    monkeypatch.setattr(profiling.time_split, "split", broken)
+    for step in prof.steps:
+        with prof.around(step):
+            opt.step()
+    assert "the profile could not be written (ValueError: a trace it cannot read); training goes on" \
+        in capsys.readouterr().out
+    assert "step" not in vars(opt) and not (old / "rank0.split.json").exists()
 
 
 @pytest.mark.gpu

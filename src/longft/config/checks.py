@@ -213,10 +213,11 @@ def _profile_steps(cfg: Config) -> list[str]:
     n, w, it = cfg.output.profile_steps, cfg.train.warmup_iterations, cfg.train.iterations
     if n < 0:
         return [f"output.profile_steps: must be >= 0 (0 = off), got {n}"]
-    if n and it is not None and 0 <= w < it < w + n:
+    if n and it is not None and 0 <= w < it <= w + n:
         return [f"output.profile_steps ({n}) would profile steps {w + 1}..{w + n} (after "
-                f"train.warmup_iterations {w}) but train.iterations is {it}: set output.profile_steps "
-                f"to at most {it - w} or train.iterations to at least {w + n}"]
+                f"train.warmup_iterations {w}) and leave no timed step of train.iterations {it}: set "
+                f"output.profile_steps to at most {it - w - 1} or train.iterations to at least "
+                f"{w + n + 1}"]
     return []
 
 

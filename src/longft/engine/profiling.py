@@ -50,6 +50,9 @@ class StepProfiler:
         todo = steps(cfg, start)
         if rank == 0:
             _say_fewer(cfg, start, todo)
+        if todo:  # an earlier run's files must not pass for this one's
+            for old in (Path(run_dir) / "profile").glob(f"rank{rank}.*"):
+                old.unlink()
         return cls(run_dir, rank, todo, cuda, update_optimizer(engine) if todo else None)
 
     def marks(self, step: int) -> dict:
@@ -93,6 +96,13 @@ class StepProfiler:
     def _finish(self) -> None:
         prof = self._prof
         self.close()
+        try:
+            self._write(prof)
+        except Exception as e:  # the profile is a by-product: the run goes on without it
+            print(f"longft: rank {self.rank}: the profile could not be written ({type(e).__name__}: "
+                  f"{e}); training goes on", flush=True)
+
+    def _write(self, prof) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         trace = self.dir / f"rank{self.rank}.trace.json.gz"
         prof.export_chrome_trace(str(trace))  # torch gzips a path ending in .gz
@@ -111,10 +121,13 @@ class StepProfiler:
 def _say_fewer(cfg: Config, start: int, todo: range) -> None:
     """A note when the run profiles fewer than output.profile_steps steps, and why."""
     w, n, it = cfg.train.warmup_iterations, cfg.output.profile_steps, cfg.train.iterations
-    if n and not todo:
+    if n and not todo and start > w:
         print(f"longft: output.profile_steps {n}: no step profiled, the run resumed after step "
               f"{start}, past the profiled steps {w + 1}..{w + n}; set output.resume: false (or "
               f"remove the checkpoints) to profile them", flush=True)
+    elif n and not todo:
+        print(f"longft: output.profile_steps {n}: no step profiled, the run has {it} steps, all "
+              f"within train.warmup_iterations {w}", flush=True)
     elif n and len(todo) < n:
         print(f"longft: output.profile_steps {n}: steps {todo[0]}..{todo[-1]} profiled (the run has "
               f"{it} steps{'' if start <= w else f' and resumed after step {start}'})", flush=True)

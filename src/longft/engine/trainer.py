@@ -410,8 +410,8 @@ def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
                 log.write("env", **environment(cfg, plan, ds, s.engine))
             loop(s, cfg, plan, log, ckpt_dir, export_dir, stopper)
     finally:
-        s.live.close()
         s.profiler.close()
+        s.live.close()
     dist.barrier()
     if swap and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         shutil.rmtree(swap, ignore_errors=True)

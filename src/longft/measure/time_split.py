@@ -7,7 +7,8 @@ Phases are the CPU ranges engine/train_step.py opens: `longft.forward`, `longft.
 `longft.step` range. On a CUDA run every phase also gets its GPU side, from the kernel, memcpy and
 memset events inside the phase's CPU range (the step clock synchronizes the GPU at each phase's
 end, so a phase's GPU work finishes inside its range):
-  compute_s       union of kernel intervals
+  compute_s       union of kernel intervals (collectives' NCCL kernels excepted)
+  comm_s          union of NCCL kernels (several GPUs: includes the time spent waiting for peers)
   htod_s, dtoh_s  union of host-to-device / device-to-host copies
   other_copy_s    union of the other copies (device to device) and memsets
   copy_overlap_s  copy time during which a kernel ran too (hidden behind compute)
@@ -24,14 +25,14 @@ STEP = "longft.step"
 PHASES = ("forward", "backward", "optimizer", "update")
 RANGE = {p: f"longft.{p}" for p in PHASES}
 """The record_function name of each phase."""
-GPU_KINDS = ("compute", "htod", "dtoh", "other_copy")
+GPU_KINDS = ("compute", "comm", "htod", "dtoh", "other_copy")
 
 
 def gpu_kind(event: dict) -> str | None:
     """Which GPU activity a Chrome trace event is (one of GPU_KINDS), None for a CPU event."""
     cat, name = event.get("cat"), event.get("name", "")
     if cat == "kernel":
-        return "compute"
+        return "comm" if name.lower().startswith("nccl") else "compute"
     if cat == "gpu_memcpy":
         return "htod" if "HtoD" in name else "dtoh" if "DtoH" in name else "other_copy"
     return "other_copy" if cat == "gpu_memset" else None
@@ -52,7 +53,7 @@ def phase_split(cpu: list[Interval], gpu: dict[str, list[Interval]] | None) -> d
         copies = union(parts["htod"] + parts["dtoh"] + parts["other_copy"])
         out.update({f"{k}_s": length(v) for k, v in parts.items()})
         out["copy_overlap_s"] = length(intersect(parts["compute"], copies))
-        out["gpu_idle_s"] = out["time_s"] - length(union(parts["compute"] + copies))
+        out["gpu_idle_s"] = out["time_s"] - length(union(parts["compute"] + parts["comm"] + copies))
     return {k: round(v, 6) for k, v in out.items()}
 
 
@@ -89,7 +90,7 @@ def _total(per_step: list[dict]) -> dict:
     return out
 
 
-COLUMNS = (("time_s", "s"), ("compute_s", "compute"), ("htod_s", "HtoD"), ("dtoh_s", "DtoH"),
+COLUMNS = (("time_s", "s"), ("compute_s", "compute"), ("comm_s", "NCCL"), ("htod_s", "HtoD"), ("dtoh_s", "DtoH"),
            ("other_copy_s", "other copy"), ("copy_overlap_s", "copy||compute"),
            ("gpu_idle_s", "GPU idle"))
 
