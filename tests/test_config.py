@@ -202,3 +202,22 @@ def test_long_context_knobs_are_validated():
     ok = from_dict({"checkpointing": {"mode": "cpu_offload", "gpu_layers": 20},
                     "hardware": {"device": "cuda", "expandable_segments": False}})
     assert ok.checkpointing.gpu_layers == 20 and ok.hardware.expandable_segments is False
+
+
+def test_profile_steps_must_lie_within_the_run():
+    def problem(n, iterations=6, warmup=2):
+        with pytest.raises(ConfigError) as e:
+            from_dict({"train": {"iterations": iterations, "warmup_iterations": warmup},
+                       "output": {"profile_steps": n}})
+        return str(e.value)
+
+    assert "output.profile_steps: must be >= 0 (0 = off), got -1" in problem(-1)
+    assert ("output.profile_steps (4) would profile steps 3..6 (after train.warmup_iterations 2) and "
+            "leave no timed step of train.iterations 6: set output.profile_steps to at most 3 or "
+            "train.iterations to at least 7") in problem(4)
+    assert "profile steps 3..7" in problem(5)
+    assert from_dict({"train": {"iterations": 6, "warmup_iterations": 2},
+                      "output": {"profile_steps": 3}}).output.profile_steps == 3
+    # with train.epochs the train stage profiles the steps there are (engine/profiling.steps)
+    assert from_dict({"train": {"iterations": None, "epochs": 1.0},
+                      "output": {"profile_steps": 50}}).output.profile_steps == 50

@@ -129,6 +129,22 @@ def test_aggregates_by_hand(tmp_path):
     assert rows[2]["lr"] == pytest.approx(3e-3)
 
 
+def test_profiled_steps_are_left_out_of_the_speed_numbers_like_warmup(tmp_path):
+    run = make_run(tmp_path / "run")
+    for rank in (0, 1):  # step 3 ran under torch.profiler (output.profile_steps)
+        f = run / f"rank{rank}.jsonl"
+        recs = [json.loads(x) for x in f.read_text().splitlines()]
+        recs = [{**r, "profiled": True} if r.get("step") == 3 else r for r in recs]
+        f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    train, _, rows = summarize(run, PLAN)
+    assert train["steps"] == 5 and train["timed_steps"] == 2
+    # timed steps 4, 5: slowest rank 2.2, 2.4 s; 1900 tokens each
+    assert train["tokens_per_s"] == pytest.approx(2 * 1900 / (2.2 + 2.4), abs=0.01)
+    assert train["iter_latency_s"]["median"] == pytest.approx(2.3)
+    assert train["fwd_s"] == pytest.approx(0.25 * 2.3)
+    assert [r["timed"] for r in rows] == [False, False, False, True, True]
+
+
 def test_truncated_last_line_is_ignored(tmp_path):
     run = make_run(tmp_path / "run")
     with open(run / "rank1.jsonl", "a") as f:

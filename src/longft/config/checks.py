@@ -204,7 +204,21 @@ def _output(cfg: Config) -> list[str]:
         p.append(f"output.checkpoint_every: must be >= 0 (0 = off), got {o.checkpoint_every}")
     if o.keep_last < 1:
         p.append(f"output.keep_last: must be >= 1, got {o.keep_last}")
-    return p
+    return p + _profile_steps(cfg)
+
+
+def _profile_steps(cfg: Config) -> list[str]:
+    """output.profile_steps profiles steps warmup+1 .. warmup+N: they must exist (with
+    train.epochs the step count is known only to the train stage, which profiles those there are)."""
+    n, w, it = cfg.output.profile_steps, cfg.train.warmup_iterations, cfg.train.iterations
+    if n < 0:
+        return [f"output.profile_steps: must be >= 0 (0 = off), got {n}"]
+    if n and it is not None and 0 <= w < it <= w + n:
+        return [f"output.profile_steps ({n}) would profile steps {w + 1}..{w + n} (after "
+                f"train.warmup_iterations {w}) and leave no timed step of train.iterations {it}: set "
+                f"output.profile_steps to at most {it - w - 1} or train.iterations to at least "
+                f"{w + n + 1}"]
+    return []
 
 
 def _lora(cfg: Config) -> list[str]:

@@ -272,6 +272,13 @@ class OutputConfig:
     """Also write loss, lr, grad_norm and tokens/s per step as TensorBoard events in
     runs/train/tensorboard (`tensorboard --logdir runs/train/tensorboard`; needs the tensorboard
     package). dvclive's runs/train/live is always written."""
+    profile_steps: int = 0
+    """Profile this many optimizer steps with torch.profiler (0 = off): the ones right after the
+    warm-up, train.warmup_iterations + 1 .. + N. Each rank writes a Chrome trace
+    (runs/train/profile/rank{r}.trace.json.gz, for https://ui.perfetto.dev) and the time split of
+    those steps (rank{r}.split.json: forward, backward, optimizer, the inner optimizer's update and,
+    on CUDA, compute, host<->device copies and GPU idle time); rank 0 prints the split. The
+    profiled steps train as usual but are left out of the speed metrics (docs/measurements.md)."""
 
 
 NOTHING_TO_TRACK = "configs/nothing-to-track"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from longft.engine.batches import doc_kwargs, real_tokens
+from longft.measure.time_split import RANGE
 
 
 def step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False,
@@ -13,7 +14,10 @@ def step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool 
     """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer.
     `packed`: hand each micro-batch's document boundaries to the attention. `sp`: a
     ulysses.SequenceParallel (each micro-step one slice of a row; the loss logged is the whole
-    row's mean), or None."""
+    row's mean), or None. Each phase runs in a torch.profiler range (measure/time_split.RANGE) that
+    ends after the clock's synchronization: its GPU work lies inside (output.profile_steps)."""
+    from torch.profiler import record_function
+
     fwd = bwd = 0.0
     losses, tokens, offloaded, doc_sq = [], 0, 0, 0
     skipped_before = engine.skipped_steps
@@ -28,25 +32,28 @@ def step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool 
             docs, sq = doc_kwargs(cpu_batch, pad_id, engine.device, packed)
         tokens, doc_sq = tokens + n, doc_sq + sq
         a = now()
-        hooks = offloader.new_step() if offloader else None
-        if sp is not None:
-            loss, whole = sp.forward(engine, cpu_batch)
-        else:
-            loss = engine(input_ids=b["input_ids"], labels=b["labels"],
-                          position_ids=b["position_ids"], **docs).loss
-            whole = None
-        offloaded = max(offloaded, hooks.offloaded_bytes if hooks else 0)
-        c = now()
-        engine.backward(loss)
-        if micro < accum - 1:
-            engine.step()  # DeepSpeed only counts the micro-step here
-        d = now()
+        with record_function(RANGE["forward"]):
+            hooks = offloader.new_step() if offloader else None
+            if sp is not None:
+                loss, whole = sp.forward(engine, cpu_batch)
+            else:
+                loss = engine(input_ids=b["input_ids"], labels=b["labels"],
+                              position_ids=b["position_ids"], **docs).loss
+                whole = None
+            offloaded = max(offloaded, hooks.offloaded_bytes if hooks else 0)
+            c = now()
+        with record_function(RANGE["backward"]):
+            engine.backward(loss)
+            if micro < accum - 1:
+                engine.step()  # DeepSpeed only counts the micro-step here
+            d = now()
         fwd, bwd = fwd + c - a, bwd + d - c
         losses.append(loss.detach().float().item() if whole is None else whole)
     lr = engine.get_lr()[0]  # the lr this optimizer step applies (engine.step() advances it)
     e = now()
-    engine.step()
-    f = now()
+    with record_function(RANGE["optimizer"]):
+        engine.step()
+        f = now()
     return dict(loss=sum(losses) / len(losses), lr=lr, grad_norm=grad_norm(engine), tokens=tokens,
                 time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
                 skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded,

@@ -25,6 +25,7 @@ from longft.engine import (
     ds_config,
     grad_buffer,
     partial_offload,
+    profiling,
     stop,
     train_step,
     ulysses,
@@ -118,6 +119,7 @@ class Session:
     live: Any = None  # measure/live.LiveMetrics: rank 0's dvclive (and TensorBoard) curves
     evaluator: Evaluator | None = None  # the held-out split (engine/evaluate.py), None without one
     sp: Any = None  # ulysses.SequenceParallel with hardware.sequence_parallel > 1
+    profiler: profiling.StepProfiler = profiling.OFF  # output.profile_steps
 
 
 def with_steps(cfg: Config, rows: int) -> Config:
@@ -283,7 +285,7 @@ def _log_step(s: Session, cfg: Config, plan: Plan, step: int, rec: dict, log: Ru
                seq_tokens=cfg.grad_accum_steps * cfg.train.micro_batch_size * cfg.data.max_seq_length,
                max_allocated_bytes=torch.cuda.max_memory_allocated() if s.cuda else None,
                max_reserved_bytes=torch.cuda.max_memory_reserved() if s.cuda else None,
-               epoch=None if epoch is None else round(epoch, 4))
+               epoch=None if epoch is None else round(epoch, 4), **s.profiler.marks(step))
     log.write("iter", **rec)
     if step == s.start + 1 and s.rank == 0:
         _first_step_warnings(rec, s.offloader, plan.patches)
@@ -334,10 +336,10 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
         with attention.context(plan.resolved.sdpa_backend.value):
             for step in bar:
                 progress.start_step(last_s)
-                rec = train_step.step(s.engine, s.batches,
-                                      cfg.grad_accum_steps * cfg.hardware.sequence_parallel, s.pad_id,
-                                      now, s.offloader,
-                                      plan.resolved.packed_attention.value in PASSES_BOUNDARIES, s.sp)
+                with s.profiler.around(step):
+                    rec = train_step.step(s.engine, s.batches, cfg.grad_accum_steps * cfg.hardware.sequence_parallel,
+                                          s.pad_id, now, s.offloader,
+                                          plan.resolved.packed_attention.value in PASSES_BOUNDARIES, s.sp)
                 progress.end_step()
                 last_s = rec["time_s"]
                 _log_step(s, cfg, plan, step, rec, log, bar)
@@ -401,12 +403,14 @@ def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
               f"micro-batches of {cfg.train.micro_batch_size} an epoch per rank, "
               f"{cfg.grad_accum_steps} a step -> {cfg.train.iterations} optimizer steps", flush=True)
     s.live = live.LiveMetrics(run_dir, s.start, cfg.output.tensorboard, enabled=s.rank == 0)
+    s.profiler = profiling.StepProfiler.of(cfg, run_dir, s.rank, s.start, s.cuda, s.engine)
     try:
         with RunLog(run_dir, s.rank, resume_step=s.start) as log:
             if s.rank == 0 and not s.start:
                 log.write("env", **environment(cfg, plan, ds, s.engine))
             loop(s, cfg, plan, log, ckpt_dir, export_dir, stopper)
     finally:
+        s.profiler.close()
         s.live.close()
     dist.barrier()
     if swap and int(os.environ.get("LOCAL_RANK", "0")) == 0:

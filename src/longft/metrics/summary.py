@@ -8,7 +8,8 @@ Inputs, written by the train stage:
   memory.csv     the HostSampler timeline of the launcher's process tree.
   monitor.json   HostSampler.summary().
 
-Aggregation (warm-up steps, `timed: false`, are left out of every speed number):
+Aggregation (warm-up steps, `timed: false`, and steps run under the profiler, `profiled: true`
+(output.profile_steps), are left out of every speed number):
   step latency   max over ranks of time_s (the slowest rank sets the pace); fwd/bwd/opt likewise.
   tokens_per_s   sum over timed steps and ranks of non-padding tokens / sum over timed steps of
                  the step latency. Steps skipped for fp16 overflow still count: they cost time.
@@ -119,7 +120,8 @@ def _step_rows(ranks: dict[int, RankLog]) -> list[dict]:
             # sum of L_i^2 over the step's documents (real tokens); None in runs before it was logged
             "doc_sq_tokens": None if any(x.get("doc_sq_tokens") is None for x in recs)
             else sum(_num(x.get("doc_sq_tokens")) or 0.0 for x in recs),
-            "timed": all(x.get("timed") is True for x in recs),
+            # warm-up and profiled steps (the profiler's overhead) are not timed
+            "timed": all(x.get("timed") is True and x.get("profiled") is not True for x in recs),
             "skipped": any(x.get("skipped") is True for x in recs),
             "t": _max(_num(x.get("t")) for x in recs), **phases,
             "vram_alloc_gib": _gib(_max(_num(x.get("max_allocated_bytes")) for x in recs)),
