@@ -19,8 +19,8 @@ import pytest
 
 from longft.cli import main as cli
 from longft.config.params import Config, to_dict
-from longft.metrics import report
-from longft.metrics.report import Run
+from longft.metrics import report, run_sources
+from longft.metrics.run_sources import Run
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "exp_show.json"
@@ -59,7 +59,7 @@ def gpu_run(params, name="8b-128k-8gpu", gpus=8, seq=128000, **train_extra):
 # -- dvc exp show ------------------------------------------------------------------------------
 
 def test_exp_show_fixture_rows_and_notes(exp_show):
-    runs, notes = report.runs_from_exp_show(exp_show)
+    runs, notes = run_sources.runs_from_exp_show(exp_show)
     # the workspace equals master, and the two older commits carry one run: each listed once
     assert [r.name for r in runs] == ["master (0058e7b)", "seq2k (02dbff0)", "7355f0c"]
     assert notes == ["pending1 (2d94476): queued", "badwarm (a64985a): failed"]
@@ -82,7 +82,7 @@ def test_exp_show_without_experiments_or_metrics(exp_show):
     base = copy.deepcopy(exp_show[1])
     base["experiments"] = None
     base["data"]["metrics"] = {}
-    runs, notes = report.runs_from_exp_show([base])
+    runs, notes = run_sources.runs_from_exp_show([base])
     assert runs == [] and notes == ["master (0058e7b): no metrics/train.json (not run)"]
 
 
@@ -93,7 +93,7 @@ def test_gpu_run_from_synthetic_exp_show(exp_show, params):
     rec["data"]["params"]["params.yaml"]["data"] = run.params
     rec["data"]["metrics"] = {"metrics/train.json": {"data": run.train},
                               "metrics/env.json": {"data": run.env}}
-    runs, _ = report.runs_from_exp_show([rec])
+    runs, _ = run_sources.runs_from_exp_show([rec])
     rows, _ = report.build_rows(runs)
     line = report.render_table(rows, []).splitlines()[2]
     assert line == ("| 8xH200 ZeRO-3 offload opt+param | llama3.1-8b | 128000 | 54,272 | 180.3 "
@@ -144,7 +144,7 @@ def test_bench_results_table(tmp_path, params):
     (tmp_path / "oom.json").write_text(json.dumps(
         {"name": "oom", "status": "failed: stage train exited 1", "params": run.params}))
     (tmp_path / "broken.json").write_text("{")
-    runs, notes = report.runs_from_bench(tmp_path)
+    runs, notes = run_sources.runs_from_bench(tmp_path)
     assert [r.name for r in runs] == ["h200/8b-128k"]
     assert notes[0].startswith("broken: not readable JSON")
     assert notes[1] == "oom: no train metrics (status: failed: stage train exited 1)"
@@ -179,17 +179,17 @@ def test_exp_show_with_headline_metric_reads_detail_at_revision(exp_show, params
         asked.append((rev, path))
         return {"metrics/train.json": run.train, "metrics/env.json": run.env}[path]
 
-    runs, notes = report.runs_from_exp_show([rec], detail=detail)
+    runs, notes = run_sources.runs_from_exp_show([rec], detail=detail)
     assert notes == [] and asked == [(rec["rev"], "metrics/train.json"),
                                      (rec["rev"], "metrics/env.json")]
     rows, _ = report.build_rows(runs)
     assert rows[0].eval_loss == 2.5 and rows[0].device == "H200"
-    runs, notes = report.runs_from_exp_show([rec], detail=lambda rev, path: {})
+    runs, notes = run_sources.runs_from_exp_show([rec], detail=lambda rev, path: {})
     assert runs == [] and notes == ["master (0058e7b): no metrics/train.json (not run)"]
 
 
 def test_shipped_bench_results_render():
-    rows, notes = report.build_rows(report.runs_from_bench(REPO / "bench" / "results")[0])
+    rows, notes = report.build_rows(run_sources.runs_from_bench(REPO / "bench" / "results")[0])
     assert rows and all(r.device == "H200" for r in rows)
     # the shipped rows that did not complete are the out-of-memory ones: the expected one under a
     # 16 GiB cap, and 8B QLoRA at 128K under a 24 GiB cap (bench/LOG.md)

@@ -27,7 +27,8 @@ from longft.config.grid import GridMeta, GridRow, read_grid
 from longft.errors import UserError
 from longft.metrics import grid_plot
 from longft.metrics.grid_axes import ROW_NAME, UNSET, Axes, GridReportError, hashable, infer_axes, value
-from longft.metrics.report import Row, bench_run, to_row
+from longft.metrics.report import Row, to_row
+from longft.metrics.run_sources import bench_run
 
 METRICS = ("tok/s", "tok/s per GPU", "MFU (%)", "Peak VRAM alloc (GiB)", "Peak DRAM RSS (GiB)",
            "GPU util (%)", "fwd (s)", "bwd (s)", "opt (s)")
