@@ -90,6 +90,10 @@ def test_default_root_is_this_process_and_rate():
     assert 10 <= summary["hz_achieved"] <= 25
     assert 15 <= summary["samples"] <= 30
     assert summary["t_start"] <= summary["rss_tree_peak_t"] <= summary["t_end"]
+    # the CPU's model, as /proc/cpuinfo names it (a CPU run's speed depends on it)
+    names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+    assert summary["cpu_model"] == (names[0] if names else summary["cpu_model"])
+    assert summary["cpu_model"]
 
 
 def test_vanishing_processes_do_not_stop_sampling(tmp_path):

@@ -109,6 +109,21 @@ def sys_used_bytes() -> int:
     return int(vm.total - vm.available)
 
 
+def cpu_model() -> str | None:
+    """The host CPU's model name (Linux /proc/cpuinfo, else platform.processor()), None if unknown:
+    a CPU run's speed depends on it (AVX-512 and its bf16 instructions, say) as a GPU run's does on
+    the GPU."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def rss_tree_bytes(pid: int) -> int:
     """RSS of a process and all its descendants now; 0 if the process is gone."""
     try:
@@ -335,6 +350,7 @@ class HostSampler:
                 "sys_used_peak_t": self._sys_peak_t,
                 "sys_total_bytes": int(psutil.virtual_memory().total),
                 "cpu_count": os.cpu_count(),
+                "cpu_model": cpu_model(),
                 "gpu_used_baseline_bytes": list(self._gpu_base),
                 "gpu_used_peak_bytes": list(self._gpu_peak),
                 "gpu_util_mean_pct": [s / n if n else None

@@ -285,6 +285,7 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
         env["gpus"] = mon.get("gpus", [])
         env["host_memory_total_gib"] = _gib(_num(mon.get("sys_total_bytes")))
         env["host_cpu_count"] = mon.get("cpu_count")
+        env["host_cpu"] = mon.get("cpu_model")  # a CPU run's speed depends on it
     train.update(eval_metrics(eval_records(ranks)))  # held-out quality next to the cost
     est = plan.memory_estimate.estimate if plan is not None else None
     if est is not None:
