@@ -214,7 +214,7 @@ def test_keep_attention_on_packed_rows_on_cuda(kernel):
     """The same on the GPU in bf16 with each packed kernel (varlen: one varlen_attn call a layer;
     per_document: one SDPA call per document): the kept layer's recompute runs no attention
     kernel, the loss is bit-identical and the gradients stay within run-to-run noise.
-    (flash_attn_4 is refused with keep_attention: test_hardware_policy.)"""
+    (flash_attn_4 is refused with keep_attention: test_packed_attention_policy.)"""
     needs_kernel(kernel)
     from longft.model import patches as patch
     from test_keep_attention import CountKernels

@@ -42,6 +42,7 @@ from longft.engine.build import build
 from longft.engine.environment import environment
 from longft.engine.evaluate import Evaluator
 from longft.engine.export import export
+from longft.engine.interrupted import save_step, stop_after
 from longft.engine.optimizer import client_optimizer
 from longft.errors import TrainingError
 from longft.measure import live
@@ -63,41 +64,6 @@ def _first_step_warnings(rec: dict, offloader, patches: Patches) -> None:
         print("longft: warning: checkpointing.keep_attention kept no attention output in the first "
               "step (the attention ran on a kernel it cannot keep, e.g. SDPA's math fallback); it "
               "costs nothing but saves nothing either", flush=True)
-
-
-def _save(engine, cfg: Config, ckpt_dir: Path, step: int, fp: str) -> None:
-    """checkpoints/step-<step>, with the RNG state the resumed run restores."""
-    checkpoint.save(engine, ckpt_dir, step, fp, cfg.output.keep_last,
-                    {"rng": checkpoint.rng_state(), "step": step})
-
-
-def _stop(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved: bool,
-          signum: int, log: RunLog, rank: int):
-    """Every rank, after `step`, on a SIGINT/SIGTERM to any rank: checkpoint (unless this step's
-    periodic one was just written), "end" record "interrupted", a message on rank 0, exit 128+sig.
-    After the last step (a signal during the final evaluation) the final evaluation, checkpoint
-    and export are skipped, and said: a re-run resumes this checkpoint and does them."""
-    import torch.distributed as dist
-
-    where = None
-    if ckpt_dir is not None:
-        if not saved:
-            _save(engine, cfg, ckpt_dir, step, fp)
-        where = ckpt_dir / f"step-{step}"
-    log.write("end", status="interrupted", steps=step, signal=stop.name(signum),
-              checkpoint=str(where) if where else None)
-    log.close()  # now, not at the end of `with RunLog`: synced before the barrier below
-    if rank == 0:
-        then = ("run `dvc repro` (or the same command) again to resume" if where and cfg.output.resume
-                else "output.resume is false: the next run starts over" if where
-                else "checkpoints are off (output.checkpoint_every, output.save_checkpoint): the "
-                     "next run starts over")
-        last = ("; the final evaluation, the final checkpoint and the export were skipped"
-                if step >= cfg.train.iterations else "")
-        print(f"longft: stopped by {stop.name(signum)} after step {step}{last}; checkpoint at "
-              f"{where or '-'}; {then}", flush=True)
-    dist.barrier()  # every rank has written everything before any exits (launchers kill the rest)
-    raise stop.Stopped(signum, step)
 
 
 @dataclass
@@ -309,7 +275,7 @@ def _periodic_checkpoint(s: Session, cfg: Config, ckpt_dir: Path | None, step: i
     saved = bool(ckpt_dir is not None and every and step % every == 0
                  and step < cfg.train.iterations)
     if saved:
-        _save(s.engine, cfg, ckpt_dir, step, s.fingerprint)
+        save_step(s.engine, cfg, ckpt_dir, step, s.fingerprint)
     return saved
 
 
@@ -348,12 +314,12 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
                 saved = _periodic_checkpoint(s, cfg, ckpt_dir, step)
                 if sig := asked():
                     bar.close()
-                    _stop(s.engine, cfg, ckpt_dir, step, s.fingerprint, saved, sig, log, s.rank)
+                    stop_after(s.engine, cfg, ckpt_dir, step, s.fingerprint, saved, sig, log, s.rank)
             if s.evaluator is not None:
                 s.evaluator.final(s.engine, step, log, asked)
             if sig := asked():  # during the final evaluation (which it ended)
                 bar.close()
-                _stop(s.engine, cfg, ckpt_dir, step, s.fingerprint, False, sig, log, s.rank)
+                stop_after(s.engine, cfg, ckpt_dir, step, s.fingerprint, False, sig, log, s.rank)
         if ckpt_dir is not None and cfg.output.save_checkpoint:
             s.engine.save_checkpoint(str(ckpt_dir), tag="final")
         if export_dir is not None:
