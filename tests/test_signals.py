@@ -279,7 +279,9 @@ def test_ctrl_c_during_the_final_evaluation_ends_it_skips_the_export_and_exits_1
     import yaml
 
     work = tmp_path / "w"
-    cmd = make_run(work)
+    # 256 held-out samples: an evaluation of seconds, not a fraction of one, so that the Ctrl-C
+    # below lands inside it on a loaded machine too
+    cmd = make_run(work, {"data": {"eval_samples": 256}})
     params = yaml.safe_load((work / "params.yaml").read_text())
     params["output"].update(save_checkpoint=True, export=True)  # output.*: no patch needed
     (work / "params.yaml").write_text(yaml.safe_dump(params))
