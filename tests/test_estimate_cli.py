@@ -55,7 +55,7 @@ def test_max_context_is_the_boundary():
     over = estimate(LLAMA_1B, dataclasses.replace(base, seq_len=seq + 1024))
     assert fits(at, 40, 128).ok and not fits(over, 40, 128).ok
     assert max_context(LLAMA_1B, base, gpu_mem_gib=4, host_mem_gib=128) == 0
-    assert max_context(LLAMA_1B, base, 1000, 1000, max_seq=8192) == 8192
+    assert max_context(LLAMA_1B, base, gpu_mem_gib=1000, host_mem_gib=1000, max_seq=8192) == 8192
 
 
 def test_speed_heuristic_prefers_less_offload_and_no_recompute():
@@ -83,7 +83,7 @@ def test_search_and_best_on_a_small_card():
     # 18.4 GiB of model states alone: the optimizer has to leave the GPU
     assert choice.offload != "none"
     assert choice.tokens_per_s >= 0.98 * max(c.tokens_per_s for c in ok)
-    assert best(search(LLAMA_1B, base, 2, 4, None, max_micro=2)) is None
+    assert best(search(LLAMA_1B, base, gpu_mem_gib=2, host_mem_gib=4, gpu_name=None, max_micro=2)) is None
 
 
 def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
@@ -105,7 +105,7 @@ def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
     for more in ({"gpu_layers": kept.gpu_layers + 1}, {"keep_attention": kept.keep_attention + 1}):
         # what is kept for speed leaves 3 % of the card free (placement.NEAR_BUDGET)
         assert not fits(estimate(arch, dataclasses.replace(kept, **more)), 0.97 * 40, None).gpu_ok
-    choice = best(search(arch, base, 40, 174, "NVIDIA H200", max_micro=2))
+    choice = best(search(arch, base, gpu_mem_gib=40, host_mem_gib=174, gpu_name="NVIDIA H200", max_micro=2))
     assert choice is not None and choice.setup.checkpointing == "cpu_offload"
     assert choice.setup.gpu_layers > 0
     ov = overlay(choice, 1)
@@ -206,7 +206,7 @@ def test_near_ties_go_to_the_placement_using_less_of_the_machine():
 
     arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
     base = Setup(micro_batch=1, seq_len=128000, tiled_mlp=True, world_size=8, ranks_per_node=8)
-    cands = search(arch, base, 139, 504, "NVIDIA H200", max_micro=2)
+    cands = search(arch, base, gpu_mem_gib=139, host_mem_gib=504, gpu_name="NVIDIA H200", max_micro=2)
     choice = best(cands, gpu_mem_gib=139, host_mem_gib=504)
     assert choice.offload == "none" and choice.est.host_rss < 40 * GIB
     # the overlay writes both knobs even where the placement keeps none: merged onto a params file that

@@ -88,7 +88,7 @@ def test_eval_loss_is_the_models_own_loss_in_chunks(prepared, monkeypatch):
 
 def test_predictions_are_the_argmax_of_the_full_logits(prepared):
     out, model = prepared
-    ev = Evaluator.open(out, model, 0, 1, 1, 0, False)
+    ev = Evaluator.open(out, model, rank=0, world=1, micro=1, every=0, packed=False)
     b = {k: v[None] for k, v in ev.data[0].items()}
     captured = []
     h = model.get_decoder().register_forward_hook(lambda m, a, o: captured.append(o[0]))
@@ -112,7 +112,7 @@ def test_a_citation_counts_only_when_every_token_is_predicted():
 
 def test_every_rank_runs_as_many_forwards_and_each_row_counts_once(prepared):
     out, model = prepared
-    evs = [Evaluator.open(out, model, r, 2, 2, 0, False) for r in (0, 1)]
+    evs = [Evaluator.open(out, model, rank=r, world=2, micro=2, every=0, packed=False) for r in (0, 1)]
     n = len(evs[0].data)
     batches = [ev._batches() for ev in evs]
     assert len(batches[0]) == len(batches[1])
@@ -123,7 +123,7 @@ def test_every_rank_runs_as_many_forwards_and_each_row_counts_once(prepared):
 def test_ranks_sum_to_the_single_process_eval(prepared, monkeypatch):
     """Two ranks' shares, summed as the all-reduce does, give the one-rank numbers."""
     out, model = prepared
-    one = Evaluator.open(out, model, 0, 1, 1, 0, False).run(PlainEngine(model), 1, Log())
+    one = Evaluator.open(out, model, rank=0, world=1, micro=1, every=0, packed=False).run(PlainEngine(model), 1, Log())
     parts = []
     monkeypatch.setattr(evaluate.Evaluator, "_record",
                         lambda self, step, loss_sum, tokens, scores, t: parts.append(
@@ -132,7 +132,7 @@ def test_ranks_sum_to_the_single_process_eval(prepared, monkeypatch):
                                                                      "scored_samples": 0,
                                                                      "time_s": 0})
     for r in (0, 1):
-        Evaluator.open(out, model, r, 2, 1, 0, False).run(PlainEngine(model), 1, Log())
+        Evaluator.open(out, model, rank=r, world=2, micro=1, every=0, packed=False).run(PlainEngine(model), 1, Log())
     loss_sum = parts[0][0] + parts[1][0]
     tokens = parts[0][1] + parts[1][1]
     scores = parts[0][2] + parts[1][2]
@@ -145,7 +145,7 @@ def test_no_held_out_split_means_no_evaluator(tmp_path, prepared, capsys):
     _, model = prepared
     cfg = from_dict({"data": {"num_samples": 2, "eval_samples": 0, "max_seq_length": 1024}})
     prepare(cfg, tmp_path / "p")
-    assert Evaluator.open(tmp_path / "p", model, 0, 1, 1, 0, False) is None
+    assert Evaluator.open(tmp_path / "p", model, rank=0, world=1, micro=1, every=0, packed=False) is None
     assert "no held-out split" in capsys.readouterr().out
 
 
@@ -155,10 +155,10 @@ def test_a_wrapped_lm_head_is_refused_before_training(prepared):
     out, model = prepared
     lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["lm_head"]))
     with pytest.raises(EvalError, match="lm_head is a .*leave lm_head out of LoRA"):
-        Evaluator.open(out, lora, 0, 1, 1, 0, False)
+        Evaluator.open(out, lora, rank=0, world=1, micro=1, every=0, packed=False)
     # LoRA on the attention leaves lm_head a Linear: fine
     ok = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"]))
-    assert Evaluator.open(out, ok, 0, 1, 1, 0, False) is not None
+    assert Evaluator.open(out, ok, rank=0, world=1, micro=1, every=0, packed=False) is not None
 
 
 def test_samples_json_is_what_the_evaluator_reads(prepared):

@@ -125,11 +125,11 @@ def test_trainer_warns_when_nothing_was_kept(capsys, monkeypatch):
         return Patches(replaced_modules={}, attention_kept_layers=n, record={})
 
     monkeypatch.setattr(KeptKernels, "replayed_total", 0)
-    trainer._first_step_warnings({"offloaded_bytes": 0}, None, kept(2))
+    trainer._first_step_warnings(0, None, kept(2))
     assert "kept no attention output" in capsys.readouterr().out
     monkeypatch.setattr(KeptKernels, "replayed_total", 3)
-    trainer._first_step_warnings({"offloaded_bytes": 0}, None, kept(2))
-    trainer._first_step_warnings({"offloaded_bytes": 0}, None, kept(0))
+    trainer._first_step_warnings(0, None, kept(2))
+    trainer._first_step_warnings(0, None, kept(0))
     assert capsys.readouterr().out == ""
 
 

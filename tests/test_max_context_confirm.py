@@ -240,11 +240,14 @@ def test_auto_tiling_is_searched_where_it_applies():
     base = Setup(micro_batch=1, seq_len=4096, checkpointing="gpu", offload_optimizer=True)
     seq, tiled = _max_context_auto_tiled(arch, base, 16, None, None, 1 << 20)
     assert tiled and seq >= 65536
-    assert seq == max_context(arch, dataclasses.replace(base, tiled_mlp=True), 16, None, None)
-    assert seq > max_context(arch, dataclasses.replace(base, tiled_mlp=False), 16, None, None)
+    assert seq == max_context(arch, dataclasses.replace(base, tiled_mlp=True), gpu_mem_gib=16, host_mem_gib=None,
+                              vram_limit_gib=None)
+    assert seq > max_context(arch, dataclasses.replace(base, tiled_mlp=False), gpu_mem_gib=16, host_mem_gib=None,
+                             vram_limit_gib=None)
     seq, tiled = _max_context_auto_tiled(arch, base, 6, None, None, 1 << 20)
     assert not tiled and 0 < seq < 65536
-    assert seq == max_context(arch, dataclasses.replace(base, tiled_mlp=False), 6, None, None)
+    assert seq == max_context(arch, dataclasses.replace(base, tiled_mlp=False), gpu_mem_gib=6, host_mem_gib=None,
+                              vram_limit_gib=None)
 
 
 def test_a_confirmed_length_below_the_tiling_threshold_says_to_pin_tiling(tmp_path, on, fake, capsys):

@@ -167,10 +167,12 @@ def test_placement_finds_8b_at_128k_on_one_h200_with_128_gib_of_ram_only_through
     """The issue's case: full offload needs ~128 GiB of host RAM; nothing fits without a ratio,
     and the search finds one, written to the overlay."""
     base = dataclasses.replace(BASE_8B, seq_len=128000, sdpa_backend="default")
-    full_only = [c for c in search(ARCH_8B, base, 128, 110, "NVIDIA H200", max_micro=2)
+    full_only = [c for c in search(ARCH_8B, base, gpu_mem_gib=128, host_mem_gib=110, gpu_name="NVIDIA H200",
+                                   max_micro=2)
                  if c.setup.offload_ratio == 1.0 and c.fit.ok]
     assert full_only == []
-    choice = best(search(ARCH_8B, base, 128, 110, "NVIDIA H200", max_micro=2), gpu_mem_gib=128,
+    choice = best(search(ARCH_8B, base, gpu_mem_gib=128, host_mem_gib=110, gpu_name="NVIDIA H200", max_micro=2),
+                  gpu_mem_gib=128,
                   host_mem_gib=110)
     assert choice is not None and choice.offload == "opt" and choice.setup.offload_ratio < 1
     assert choice.est.host_rss <= 110 * GIB and choice.est.gpu_nvml <= 128 * GIB
@@ -181,12 +183,12 @@ def test_placement_finds_8b_at_128k_on_one_h200_with_128_gib_of_ram_only_through
 
 def test_placement_searches_bf16_states_only_when_asked():
     base = dataclasses.replace(BASE_8B, seq_len=32768)
-    fp32 = search(ARCH_8B, base, 80, 64, None, max_micro=1)
+    fp32 = search(ARCH_8B, base, gpu_mem_gib=80, host_mem_gib=64, gpu_name=None, max_micro=1)
     assert {c.setup.optimizer_states for c in fp32} == {"fp32"}
-    both = search(ARCH_8B, base, 80, 64, None, max_micro=1, states=("fp32", "bf16"))
+    both = search(ARCH_8B, base, gpu_mem_gib=80, host_mem_gib=64, gpu_name=None, max_micro=1, states=("fp32", "bf16"))
     assert {c.setup.optimizer_states for c in both} == {"fp32", "bf16"}
     assert not any(c.setup.nvme for c in both)                  # no disk given: no NVMe
-    disk = search(ARCH_8B, base, 80, 64, None, max_micro=1, disk_gib=500)
+    disk = search(ARCH_8B, base, gpu_mem_gib=80, host_mem_gib=64, gpu_name=None, max_micro=1, disk_gib=500)
     assert any(c.setup.nvme and c.fit.ok for c in disk)
 
 

@@ -175,8 +175,8 @@ def test_a_tiny_model_profiled_through_train_step(tmp_path, capsys):
     recs = []
     for step in range(1, 5):
         with prof.around(step):
-            rec = train_step.step(engine, batches, accum, -1, time.perf_counter, None)
-        recs.append({**rec, **prof.marks(step)})
+            rec = train_step.step(engine, batches, accum=accum, pad_id=-1, now=time.perf_counter)
+        recs.append({**rec.fields(), **prof.marks(step)})
     assert [r.get("profiled", False) for r in recs] == [False, True, True, False]
     assert "step" not in vars(engine.optimizer)  # the update's wrapper is gone after the last one
     trace = tmp_path / "profile" / "rank0.trace.json.gz"

@@ -113,7 +113,7 @@ def test_eval_loss_falls_and_the_retrieval_score_sees_learned_citations(tmp_path
     model = build_model(cfg.model, "sdpa", torch.float32)
     model.config.use_cache = False
     engine = PlainEngine(model)
-    ev = Evaluator.open(tmp_path / "p", model, 0, 1, 6, 0, False)
+    ev = Evaluator.open(tmp_path / "p", model, rank=0, world=1, micro=6, every=0, packed=False)
     chance = sum(1 / s["num_docs"] for s in ev.samples) / len(ev.samples)
     assert chance < 0.25  # five documents and more a sample
     before = ev.run(engine, 0, Log())

@@ -133,7 +133,7 @@ def pretrain_then_finetune(tmp_path, seed: int) -> dict:
     model = build_model(cfg.model, "sdpa", torch.float32)
     model.config.use_cache = False
     engine = PlainEngine(model)
-    ev = Evaluator.open(tmp_path / "p", model, 0, 1, 16, 0, False)
+    ev = Evaluator.open(tmp_path / "p", model, rank=0, world=1, micro=16, every=0, packed=False)
     before = ev.run(engine, 0, Log())
     train(model, list(PreparedDataset(tmp_path / "p")), steps=400, lr=1e-3, seed=seed + 1,
           batch=8)

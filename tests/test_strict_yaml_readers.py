@@ -59,8 +59,9 @@ def test_max_context_confirm_refuses_a_repeated_key(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(DUP)
     with pytest.raises(ConfigError, match=TWICE):
-        confirm.prepare(str(params), from_dict({}), CPU, "llama", {}, 16.0, None, 2, tmp_path,
-                        None)
+        confirm.prepare(str(params), from_dict({}), CPU, model_type="llama", estimated={}, gpu_mem=16.0,
+                        host_mem=None, iterations=2, work=tmp_path,
+                        out=None)
 
 
 def test_merge_keys_still_work_and_may_be_overridden():

@@ -133,13 +133,15 @@ def cmd_max_context(argv: list[str]) -> int:
         notes.append(f"kernels.tiled_mlp auto: {'on' if tiled else 'off'} at the longest context "
                      f"(on from {TILED_MLP_FROM:,} tokens)")
     else:
-        best_seq = max_context(arch, base, gpu_mem, host_mem, cfg.hardware.vram_limit_gib, top)
+        best_seq = max_context(arch, base, gpu_mem_gib=gpu_mem, host_mem_gib=host_mem,
+                               vram_limit_gib=cfg.hardware.vram_limit_gib, max_seq=top)
     job = None
     if a.confirm:  # bad --confirm input fails here (ConfigError, exit 2), before any run
         from longft.run.confirm import predicted, prepare
 
-        job = prepare(a.params, cfg, hw, arch["model_type"], resolved, gpu_mem, host_mem,
-                      a.iterations, a.work, a.out)
+        job = prepare(a.params, cfg, hw, model_type=arch["model_type"], estimated=resolved,
+                      gpu_mem=gpu_mem, host_mem=host_mem, iterations=a.iterations, work=a.work,
+                      out=a.out)
     print(f"longft max-context: {cfg.model.name}, micro-batch {base.micro_batch}, "
           f"{base.world_size} rank(s), GPU {gpu_mem:g} GiB, host {host_mem} GiB, search up to {top:,}")
     for n in notes + unmeasured(base):

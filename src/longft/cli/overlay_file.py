@@ -9,7 +9,7 @@ from longft.estimate.estimator import GIB, describe
 from longft.estimate.placement import Candidate, near_budget
 
 
-def write_overlay(out: str | None, ov: dict, c: Candidate, gpu_mem: float, host_mem: float,
+def write_overlay(out: str | None, ov: dict, c: Candidate, *, gpu_mem: float, host_mem: float,
                   title: str = "longft placement", quiet: bool = False) -> None:
     """Print the overlay, or write it to `out` with a header of what it predicts (and say so
     unless `quiet`)."""

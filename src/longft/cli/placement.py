@@ -174,7 +174,7 @@ def cmd_placement(argv: list[str]) -> int:
             print("longft placement: " + "; ".join(bad), file=sys.stderr)
             return 2
         disk = shutil.disk_usage(a.nvme_path).free / GIB
-    cands = search(arch, base, a.gpu_mem, a.host_mem, gpu_name, a.max_micro,
+    cands = search(arch, base, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem, gpu_name=gpu_name, max_micro=a.max_micro,
                    share_grads=cfg.zero.host_grad_buffer != "full", states=states, disk_gib=disk,
                    tunings=allowed)
     model_name = a.model or cfg.model.name
@@ -190,7 +190,8 @@ def cmd_placement(argv: list[str]) -> int:
     if choice is None:
         from longft.cli.placement_advice import nothing_fits
 
-        return nothing_fits(a, arch, base, cands, allowed, states, disk, cfg, gpu_name, model_over)
+        return nothing_fits(a, arch, base, cands, allowed=allowed, states=states, disk=disk, cfg=cfg,
+                            gpu_name=gpu_name, model_over=model_over)
     print(f"\nchosen: {describe_placement(choice)} (~{choice.tokens_per_s:,.0f} tok/s predicted)")
     why = why_chosen(choice, cands, a.gpu_mem, a.host_mem)
     if why:
@@ -200,8 +201,8 @@ def cmd_placement(argv: list[str]) -> int:
     for n in unmeasured(choice.setup):
         print(f"note: {n}")
     print(format_table(choice.est, choice.fit))
-    write_overlay(a.out, overlay(choice, a.gpus, model_over, a.nvme_path), choice, a.gpu_mem,
-                  a.host_mem)
+    write_overlay(a.out, overlay(choice, a.gpus, model_over, a.nvme_path), choice, gpu_mem=a.gpu_mem,
+                  host_mem=a.host_mem)
     return 0
 
 

@@ -44,13 +44,13 @@ class _Overlays:
                                                    width=1 << 16).strip())
         if self.a.out:
             path = _alt_path(self.a.out, name)
-            write_overlay(str(path), ov, c, self.a.gpu_mem, self.a.host_mem, quiet=True,
+            write_overlay(str(path), ov, c, gpu_mem=self.a.gpu_mem, host_mem=self.a.host_mem, quiet=True,
                           title=f"longft placement, instead of the asked run: {name}")
             self.written.append(path)
         return ov
 
 
-def nothing_fits(a, arch: dict, base, cands: list[Candidate], allowed, states, disk, cfg,
+def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states, disk, cfg,
                  gpu_name: str | None, model_over: dict | None) -> int:
     """Print what fits instead of the asked run; exit code 1 (the asked run does not fit)."""
     from longft.cli.overlay_file import write_overlay
@@ -92,6 +92,6 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], allowed, states, d
     print(f"\nsmallest change that fits: {rec.change} (~{c.tokens_per_s:,.0f} tok/s predicted). "
           f"Its overlay (merge onto {a.params}; `longft placement ... {rec.flags}` "
           "searches it as the asked run):")
-    write_overlay(None, overlay(c, rec.gpus, model_over, None), c, a.gpu_mem, a.host_mem,
+    write_overlay(None, overlay(c, rec.gpus, model_over, None), c, gpu_mem=a.gpu_mem, host_mem=a.host_mem,
                   title=f"longft placement, instead of the asked run: {rec.change}")
     return 1

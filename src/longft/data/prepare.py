@@ -49,7 +49,7 @@ class _RowTally:
         self.trainable += int(np.count_nonzero(labels[1:] != IGNORE_INDEX))  # labels[0] is shifted out
 
 
-def _tokenize(records, tok, dc, bad: BadRecords, total: int | None, desc: str = "tokenize",
+def _tokenize(records, tok, dc, bad: BadRecords, *, total: int | None, desc: str = "tokenize",
               score: list | None = None, origin: list | None = None
               ) -> tuple[list[Sample], list[int], int, int, int]:
     """(usable samples, every sample's length before fitting, truncated, untrainable, text
@@ -96,7 +96,7 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict
         records = reader = RecordReader(dc, bad)
     origin: list[int] = []
     samples, lengths, truncated, untrainable, split = _tokenize(records, tok, dc, bad,
-                                                                dc.num_samples, origin=origin)
+                                                                total=dc.num_samples, origin=origin)
     stats.update(
         format=reader.format if reader else "messages",
         records=reader.records_read if reader else dc.num_samples,
@@ -114,8 +114,8 @@ def _tokenized_samples(cfg: Config, tok, bad: BadRecords, stats: dict
     if dc.source == "synthetic":
         held_records = synthetic_records(dc.eval_samples, dc.max_seq_length, cfg.train.seed, count,
                                          dc.synthetic_lengths, start=dc.num_samples)
-        held, *_ = _tokenize(held_records, tok, dc, BadRecords("error"), dc.eval_samples,
-                             "held-out", score)
+        held, *_ = _tokenize(held_records, tok, dc, BadRecords("error"), total=dc.eval_samples,
+                             desc="held-out", score=score)
     else:
         # by record: every piece of a split text record on the same side
         samples, held, note = split_samples(samples, dc.eval_samples, cfg.train.seed, origin)

@@ -60,7 +60,7 @@ class Evaluator:
     history: list[dict] = field(default_factory=list)
 
     @classmethod
-    def open(cls, data_dir: Path, model, rank: int, world: int, micro: int, every: int,
+    def open(cls, data_dir: Path, model, *, rank: int, world: int, micro: int, every: int,
              packed: bool) -> "Evaluator | None":
         """The evaluator of data_dir's held-out split, or None when the dataset has none."""
         found = held_out(data_dir)

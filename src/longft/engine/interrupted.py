@@ -17,8 +17,8 @@ def save_step(engine, cfg: Config, ckpt_dir: Path, step: int, fp: str) -> None:
                     {"rng": checkpoint.rng_state(), "step": step})
 
 
-def stop_after(engine, cfg: Config, ckpt_dir: Path | None, step: int, fp: str, saved: bool,
-          signum: int, log: RunLog, rank: int):
+def stop_after(engine, cfg: Config, *, ckpt_dir: Path | None, step: int, fp: str, saved: bool,
+               signum: int, log: RunLog, rank: int):
     """Every rank, after `step`, on a SIGINT/SIGTERM to any rank: checkpoint (unless this step's
     periodic one was just written), "end" record "interrupted", a message on rank 0, exit 128+sig.
     After the last step (a signal during the final evaluation) the final evaluation, checkpoint

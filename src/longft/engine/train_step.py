@@ -4,13 +4,35 @@ what the run log records of it (loss, lr, gradient norm, tokens, the time split)
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 from longft.engine.batches import doc_kwargs, real_tokens
 from longft.measure.time_split import RANGE
 
 
-def step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool = False,
-         sp=None) -> dict:
+@dataclass
+class StepRecord:
+    """What one optimizer step measured: the fields of its "iter" record in runs/train/rank<r>.jsonl
+    (the trainer adds the step number, the memory peaks and the epoch)."""
+
+    loss: float  # the mean over the step's micro-batches
+    lr: float  # the lr this step applied
+    grad_norm: float | None  # before clipping; None when the step was skipped or none was computed
+    tokens: int  # real (not padding) tokens of this rank's micro-batches
+    time_s: float  # the whole step, GPU work included
+    fwd_s: float
+    bwd_s: float
+    opt_s: float
+    skipped: bool  # fp16 overflow: DeepSpeed skipped the update
+    offloaded_bytes: int  # checkpointing.mode cpu_offload: activations moved to the host
+    doc_sq_tokens: int  # sum of squared document lengths (the packed rows' attention FLOPs)
+
+    def fields(self) -> dict:
+        return asdict(self)
+
+
+def step(engine, batches, *, accum: int, pad_id: int, now, offloader=None, packed: bool = False,
+         sp=None) -> StepRecord:
     """One optimizer step of `accum` micro-steps; times forward, backward and the optimizer.
     `packed`: hand each micro-batch's document boundaries to the attention. `sp`: a
     ulysses.SequenceParallel (each micro-step one slice of a row; the loss logged is the whole
@@ -54,10 +76,10 @@ def step(engine, batches, accum: int, pad_id: int, now, offloader, packed: bool 
     with record_function(RANGE["optimizer"]):
         engine.step()
         f = now()
-    return dict(loss=sum(losses) / len(losses), lr=lr, grad_norm=grad_norm(engine), tokens=tokens,
-                time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
-                skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded,
-                doc_sq_tokens=doc_sq)
+    return StepRecord(loss=sum(losses) / len(losses), lr=lr, grad_norm=grad_norm(engine),
+                      tokens=tokens, time_s=f - t0, fwd_s=fwd, bwd_s=bwd, opt_s=f - e,
+                      skipped=engine.skipped_steps > skipped_before, offloaded_bytes=offloaded,
+                      doc_sq_tokens=doc_sq)
 
 
 def grad_norm(engine) -> float | None:

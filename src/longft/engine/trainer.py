@@ -52,11 +52,11 @@ from longft.model import attention
 from longft.model.tiled_mlp import decoder_layers
 
 
-def _first_step_warnings(rec: dict, offloader, patches: Patches) -> None:
+def _first_step_warnings(offloaded_bytes: int, offloader, patches: Patches) -> None:
     """A memory technique that was asked for but did nothing in the first step."""
     from longft.model.keep_attention import KeptKernels
 
-    if offloader is not None and not rec["offloaded_bytes"]:
+    if offloader is not None and not offloaded_bytes:
         print("longft: warning: checkpointing.mode cpu_offload moved nothing to the host in the "
               "first step (layer inputs under 1 MiB, or gradient checkpointing was re-enabled "
               "after the patch)", flush=True)
@@ -145,7 +145,7 @@ def _loader(cfg: Config, data_dir: Path, rank: int, world: int, cuda: bool):
     return loader, sampler, pad_id
 
 
-def _resume(engine, cfg: Config, ckpt_dir: Path | None, fp: str, loader, sampler: SkipFirst,
+def _resume(engine, cfg: Config, *, ckpt_dir: Path | None, fp: str, loader, sampler: SkipFirst,
             rank: int):
     """(start step, micro-batches from there on): the newest complete checkpoint's engine state,
     data position and RNG state when output.resume, else (0, from the first micro-batch)."""
@@ -186,9 +186,9 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
     rank, world, cuda = _init_distributed(cfg, plan)
     loader, sampler, pad_id = _loader(cfg, data_dir, rank, world, cuda)
     model, keep, offloader = build(cfg, plan, ds)
-    evaluator = Evaluator.open(data_dir, model, rank, world, cfg.train.micro_batch_size,
-                               cfg.train.eval_every,
-                               plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
+    evaluator = Evaluator.open(data_dir, model, rank=rank, world=world, micro=cfg.train.micro_batch_size,
+                               every=cfg.train.eval_every,
+                               packed=plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
     n_sp, mpu, sp = cfg.hardware.sequence_parallel, None, None
     if n_sp > 1:  # DeepSpeed's Ulysses attention and process groups (engine/ulysses.py)
         mpu = ulysses.register(model, n_sp, cfg.train.micro_batch_size, cfg.data.max_seq_length)
@@ -198,7 +198,8 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
                                       optimizer=client_optimizer(cfg),
                                       lr_scheduler=ds_config.lr_scheduler(cfg), mpu=mpu)
     fp = checkpoint.fingerprint(cfg, data_dir)
-    start, batches = _resume(engine, cfg, ckpt_dir, fp, loader, sampler, rank)
+    start, batches = _resume(engine, cfg, ckpt_dir=ckpt_dir, fp=fp, loader=loader,
+                            sampler=sampler, rank=rank)
     if sp is not None:
         batches = sp.shard(batches, pad_id, engine.device)
     if plan.resolved.host_grad_buffer.value == "shared":
@@ -237,36 +238,36 @@ def _clock(cuda: bool):
     return now
 
 
-def _log_step(s: Session, cfg: Config, plan: Plan, step: int, rec: dict, log: RunLog, bar) -> None:
+def _log_step(s: Session, step: int, rec: train_step.StepRecord, *, cfg: Config, plan: Plan,
+              log: RunLog, bar) -> None:
     """Step `step`'s "iter" record, the progress bar and (without a bar) a line every log_every;
     a loss that is not finite stops the run."""
     import torch
 
-    if not math.isfinite(rec["loss"]):
-        raise TrainingError(f"loss is {rec['loss']} at step {step}: training would go "
+    if not math.isfinite(rec.loss):
+        raise TrainingError(f"loss is {rec.loss} at step {step}: training would go "
                             f"on on garbage. Lower optim.lr, check the data, or use bf16")
     epoch = passes(step, s.rows, s.world, cfg.train.micro_batch_size, cfg.grad_accum_steps) \
         if s.rows else None
-    rec.update(step=step, timed=step > cfg.train.warmup_iterations,
-               seq_tokens=cfg.grad_accum_steps * cfg.train.micro_batch_size * cfg.data.max_seq_length,
-               max_allocated_bytes=torch.cuda.max_memory_allocated() if s.cuda else None,
-               max_reserved_bytes=torch.cuda.max_memory_reserved() if s.cuda else None,
-               epoch=None if epoch is None else round(epoch, 4), **s.profiler.marks(step))
-    log.write("iter", **rec)
+    log.write("iter", **rec.fields(), step=step, timed=step > cfg.train.warmup_iterations,
+              seq_tokens=cfg.grad_accum_steps * cfg.train.micro_batch_size * cfg.data.max_seq_length,
+              max_allocated_bytes=torch.cuda.max_memory_allocated() if s.cuda else None,
+              max_reserved_bytes=torch.cuda.max_memory_reserved() if s.cuda else None,
+              epoch=None if epoch is None else round(epoch, 4), **s.profiler.marks(step))
     if step == s.start + 1 and s.rank == 0:
-        _first_step_warnings(rec, s.offloader, plan.patches)
+        _first_step_warnings(rec.offloaded_bytes, s.offloader, plan.patches)
     if s.rank == 0:
-        tok_s = rec["tokens"] * s.world / rec["time_s"]  # rank 0's tokens x ranks; metrics sum them
-        gnorm = "-" if rec.get("grad_norm") is None else f"{rec['grad_norm']:.3g}"
-        bar.set_postfix(loss=f"{rec['loss']:.4f}", gnorm=gnorm, tok_s=f"{tok_s:.0f}")
+        tok_s = rec.tokens * s.world / rec.time_s  # rank 0's tokens x ranks; metrics sum them
+        gnorm = "-" if rec.grad_norm is None else f"{rec.grad_norm:.3g}"
+        bar.set_postfix(loss=f"{rec.loss:.4f}", gnorm=gnorm, tok_s=f"{tok_s:.0f}")
         if s.live is not None:
-            s.live.log(step, {"loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec.get("grad_norm"),
+            s.live.log(step, {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm,
                               "tokens_per_s": tok_s, "epoch": epoch})
         if step % cfg.train.log_every == 0 and bar.disable:
             ep = "" if epoch is None else f" epoch {epoch:.2f}"
-            print(f"step {step}/{cfg.train.iterations} loss {rec['loss']:.4f} "
-                  f"lr {rec['lr']:.2e} grad_norm {gnorm} {tok_s:,.0f} tok/s "
-                  f"{rec['time_s']:.2f} s/step{ep}", flush=True)
+            print(f"step {step}/{cfg.train.iterations} loss {rec.loss:.4f} "
+                  f"lr {rec.lr:.2e} grad_norm {gnorm} {tok_s:,.0f} tok/s "
+                  f"{rec.time_s:.2f} s/step{ep}", flush=True)
 
 
 def _periodic_checkpoint(s: Session, cfg: Config, ckpt_dir: Path | None, step: int) -> bool:
@@ -279,7 +280,7 @@ def _periodic_checkpoint(s: Session, cfg: Config, ckpt_dir: Path | None, step: i
     return saved
 
 
-def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None,
+def loop(s: Session, cfg: Config, plan: Plan, *, log: RunLog, ckpt_dir: Path | None,
          export_dir: Path | None = None, stopper: stop.StopRequest | None = None) -> None:
     """Steps start+1 .. train.iterations, each logged, with periodic checkpoints; then the final
     checkpoint and the export. Ends the run log with status complete, failed (re-raised; a CUDA
@@ -303,23 +304,26 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
             for step in bar:
                 progress.start_step(last_s)
                 with s.profiler.around(step):
-                    rec = train_step.step(s.engine, s.batches, cfg.grad_accum_steps * cfg.hardware.sequence_parallel,
-                                          s.pad_id, now, s.offloader,
-                                          plan.resolved.packed_attention.value in PASSES_BOUNDARIES, s.sp)
+                    rec = train_step.step(
+                        s.engine, s.batches, accum=cfg.grad_accum_steps * cfg.hardware.sequence_parallel,
+                        pad_id=s.pad_id, now=now, offloader=s.offloader,
+                        packed=plan.resolved.packed_attention.value in PASSES_BOUNDARIES, sp=s.sp)
                 progress.end_step()
-                last_s = rec["time_s"]
-                _log_step(s, cfg, plan, step, rec, log, bar)
+                last_s = rec.time_s
+                _log_step(s, step, rec, cfg=cfg, plan=plan, log=log, bar=bar)
                 if s.evaluator is not None:
                     s.evaluator.periodic(s.engine, step, log, asked)
                 saved = _periodic_checkpoint(s, cfg, ckpt_dir, step)
                 if sig := asked():
                     bar.close()
-                    stop_after(s.engine, cfg, ckpt_dir, step, s.fingerprint, saved, sig, log, s.rank)
+                    stop_after(s.engine, cfg, ckpt_dir=ckpt_dir, step=step, fp=s.fingerprint,
+                               saved=saved, signum=sig, log=log, rank=s.rank)
             if s.evaluator is not None:
                 s.evaluator.final(s.engine, step, log, asked)
             if sig := asked():  # during the final evaluation (which it ended)
                 bar.close()
-                stop_after(s.engine, cfg, ckpt_dir, step, s.fingerprint, False, sig, log, s.rank)
+                stop_after(s.engine, cfg, ckpt_dir=ckpt_dir, step=step, fp=s.fingerprint,
+                           saved=False, signum=sig, log=log, rank=s.rank)
         if ckpt_dir is not None and cfg.output.save_checkpoint:
             s.engine.save_checkpoint(str(ckpt_dir), tag="final")
         if export_dir is not None:
@@ -348,7 +352,7 @@ def loop(s: Session, cfg: Config, plan: Plan, log: RunLog, ckpt_dir: Path | None
         raise stop.Stopped(sig, step)
 
 
-def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
+def train(cfg: Config, plan: Plan, ds: dict, *, data_dir: Path, run_dir: Path,
           ckpt_dir: Path | None, export_dir: Path | None = None,
           stopper: stop.StopRequest | None = None) -> None:
     """One rank's run: `setup`, then `loop` logging to run_dir/rank<r>.jsonl, then a barrier so
@@ -374,7 +378,7 @@ def train(cfg: Config, plan: Plan, ds: dict, data_dir: Path, run_dir: Path,
         with RunLog(run_dir, s.rank, resume_step=s.start) as log:
             if s.rank == 0 and not s.start:
                 log.write("env", **environment(cfg, plan, ds, s.engine))
-            loop(s, cfg, plan, log, ckpt_dir, export_dir, stopper)
+            loop(s, cfg, plan, log=log, ckpt_dir=ckpt_dir, export_dir=export_dir, stopper=stopper)
     finally:
         s.profiler.close()
         s.live.close()

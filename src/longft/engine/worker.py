@@ -56,9 +56,9 @@ def _main(argv: list[str] | None, stopper: StopRequest) -> int:
         plan = Plan.read(a.plan)
         ds = json.loads(Path(a.ds_config).read_text())
         watch_build_locks()  # a lock a killed build left: removed, not waited on forever
-        train(cfg, plan, ds, Path(a.data), Path(a.run),
-              Path(a.checkpoints) if a.checkpoints else None,
-              Path(a.export) if a.export else None, stopper)
+        train(cfg, plan, ds, data_dir=Path(a.data), run_dir=Path(a.run),
+              ckpt_dir=Path(a.checkpoints) if a.checkpoints else None,
+              export_dir=Path(a.export) if a.export else None, stopper=stopper)
     except Stopped as e:
         return e.exit_code  # 130 (SIGINT) / 143 (SIGTERM); rank 0 said where the checkpoint is
     except UserError as e:  # params, data, model, hardware: the message says what to change

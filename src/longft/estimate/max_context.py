@@ -25,7 +25,7 @@ def candidates_for_confirmation(max_seq: int, rel_error: float = 0.10, step: int
     return sorted(p for p in pts if limit is None or p <= limit)
 
 
-def max_context(arch: dict, base: Setup, gpu_mem_gib: float | None, host_mem_gib: float | None,
+def max_context(arch: dict, base: Setup, *, gpu_mem_gib: float | None, host_mem_gib: float | None,
                 vram_limit_gib: float | None = None, max_seq: int = 1 << 20,
                 step: int = SEQ_STEP) -> int:
     """The longest seq (a multiple of `step`, <= max_seq) that fits; 0 if even `step` does not.
@@ -50,9 +50,10 @@ def _max_context_auto_tiled(arch: dict, base: Setup, gpu_mem_gib, host_mem_gib, 
     drops where tiling starts, so search the tiled lengths first, then the untiled ones below.
     Returns (longest fitting length, whether it runs tiled)."""
     if top >= TILED_MLP_FROM:
-        tiled = max_context(arch, dataclasses.replace(base, tiled_mlp=True), gpu_mem_gib,
-                            host_mem_gib, vram_limit_gib, top)
+        tiled = max_context(arch, dataclasses.replace(base, tiled_mlp=True), gpu_mem_gib=gpu_mem_gib,
+                            host_mem_gib=host_mem_gib, vram_limit_gib=vram_limit_gib, max_seq=top)
         if tiled >= TILED_MLP_FROM:
             return tiled, True
-    return max_context(arch, dataclasses.replace(base, tiled_mlp=False), gpu_mem_gib, host_mem_gib,
-                       vram_limit_gib, min(top, TILED_MLP_FROM - 1)), False
+    return max_context(arch, dataclasses.replace(base, tiled_mlp=False), gpu_mem_gib=gpu_mem_gib,
+                       host_mem_gib=host_mem_gib,
+                       vram_limit_gib=vram_limit_gib, max_seq=min(top, TILED_MLP_FROM - 1)), False

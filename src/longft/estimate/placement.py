@@ -181,7 +181,7 @@ def placements(t: Tuning, disk_gib: float | None) -> list[str]:
     return names
 
 
-def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu_name: str | None,
+def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, gpu_name: str | None,
            max_micro: int = 64, modes: tuple[str, ...] = MODES,
            share_grads: bool = True, states: tuple[str, ...] = ("fp32",),
            disk_gib: float | None = None, tunings: tuple[Tuning, ...] | None = None,
@@ -216,11 +216,12 @@ def search(arch: dict, base: Setup, gpu_mem_gib: float, host_mem_gib: float, gpu
                             first, checkpointing=mode, offload_ratio=ratio, grad_accum=1,
                             gpu_layers=0, keep_attention=0,
                             host_grad_buffer="shared" if shared else "full"),
-                            off, gpu_mem_gib, host_mem_gib, gpu_name, max_micro, disk_gib)
+                            off, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, gpu_name=gpu_name,
+                            max_micro=max_micro, disk_gib=disk_gib)
     return out
 
 
-def _scan(arch: dict, s: Setup, off: str, gpu_mem_gib: float, host_mem_gib: float,
+def _scan(arch: dict, s: Setup, off: str, *, gpu_mem_gib: float, host_mem_gib: float,
           gpu_name: str | None, max_micro: int, disk_gib: float | None) -> list[Candidate]:
     """One placement's candidates over micro-batches 1.. until one does not fit (that one too when
     it is micro-batch 1)."""

@@ -267,7 +267,7 @@ class Confirmation:
         return 2 if last.status == ERROR else 0 if best else 1
 
 
-def prepare(params_path: str, cfg, hw, model_type: str, estimated: dict, gpu_mem: float,
+def prepare(params_path: str, cfg, hw, *, model_type: str, estimated: dict, gpu_mem: float,
             host_mem: float | None, iterations: int, work: Path | None,
             out: Path | None) -> Confirmation:
     """Check the --confirm request against this machine (ConfigError: exit 2 before any run).
