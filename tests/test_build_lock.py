@@ -136,3 +136,35 @@ def test_set_up_builds_the_ops_of_a_cpu_run_once(tmp_path):
     assert f"DeepSpeed's `cpu_adam` op already built ({tmp_path})" in p.stderr
     assert f"DeepSpeed's `deepspeed_shm_comm` op already built ({tmp_path})" in p.stderr
     assert "removed a stale build lock" in p.stderr and "building" not in p.stderr
+
+
+@pytest.mark.parametrize("case", ["new", "unchanged", "inputs changed"])
+def test_set_up_says_whether_it_built_loaded_or_rebuilt_an_op(tmp_path, monkeypatch, capsys, case):
+    """A .so already there is no proof that nothing compiles: ninja rebuilds it when its inputs
+    changed (a venv made anew at the same path). build_ops tells by the .so it finds after load()."""
+    import deepspeed.accelerator
+
+    class Builder:
+        NAME = "cpu_adam"
+
+        def load(self, verbose=False):
+            so = tmp_path / "cpu_adam" / "cpu_adam.so"
+            if case != "unchanged":  # what ninja does: (re)write the library
+                so.parent.mkdir(exist_ok=True)
+                so.write_bytes(b"new")
+                os.utime(so, ns=(2_000_000_000_000_000_000,) * 2)
+
+    if case != "new":
+        (tmp_path / "cpu_adam").mkdir()
+        (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"old")
+    monkeypatch.setitem(opbuild.SETUP_OPS, "cpu", ["cpu_adam"])
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator",
+                        lambda: type("A", (), {"create_op_builder": lambda self, n: Builder()})())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert opbuild.build_ops("cpu") == 0
+    err = capsys.readouterr().err
+    said = {"new": "op built in", "unchanged": "op already built",
+            "inputs changed": "op rebuilt in"}[case]
+    assert f"DeepSpeed's `cpu_adam` {said}" in err, err
+    assert ("building DeepSpeed's `cpu_adam` op once" in err) == (case == "new")

@@ -285,11 +285,16 @@ def build_ops(device: str | None = None) -> int:
 
     for name in SETUP_OPS[device]:
         builder = get_accelerator().create_op_builder(name)
-        built = (Path(ext) / builder.NAME / f"{builder.NAME}.so").is_file()
-        if not built:
+        so = Path(ext) / builder.NAME / f"{builder.NAME}.so"
+        before = so.stat().st_mtime_ns if so.is_file() else None
+        if before is None:
             print(f"longft: building DeepSpeed's `{builder.NAME}` op once, into {ext} (a minute or "
                   "so; every later run loads it) ...", file=sys.stderr, flush=True)
-        t0, stop = time.monotonic(), _ticking(f"building {builder.NAME}") if not built else None
+        # with a .so there, ninja still rebuilds it when its inputs changed (a venv made anew at
+        # the same path, other compiler flags): the ticker then says so after 10 s
+        t0 = time.monotonic()
+        stop = _ticking(f"building {builder.NAME}" if before is None else
+                        f"{builder.NAME}: its build inputs changed, DeepSpeed rebuilds it")
         try:
             builder.load(verbose=False)
         except Exception as e:  # noqa: BLE001 - explained below, or re-raised
@@ -299,11 +304,12 @@ def build_ops(device: str | None = None) -> int:
             print(f"longft: {failure.message()}", file=sys.stderr, flush=True)
             return 1
         finally:
-            if stop is not None:
-                stop.set()
-        print(f"longft: DeepSpeed's `{builder.NAME}` op "
-              + (f"built in {time.monotonic() - t0:.0f} s" if not built else "already built")
-              + f" ({ext})", file=sys.stderr, flush=True)
+            stop.set()
+        after = so.stat().st_mtime_ns if so.is_file() else None
+        took = f"{time.monotonic() - t0:.0f} s"
+        done = (f"built in {took}" if before is None else "already built" if after == before
+                else f"rebuilt in {took} (its build inputs had changed since the last build)")
+        print(f"longft: DeepSpeed's `{builder.NAME}` op {done} ({ext})", file=sys.stderr, flush=True)
     return 0
 
 
