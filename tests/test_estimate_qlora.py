@@ -8,16 +8,8 @@ import pytest
 from longft.config.params import from_dict
 from longft.estimate.estimator import GIB, Setup, estimate, setup_from_config
 from longft.estimate.quantized import adam8_state_bytes, int8_bytes, nf4_bytes, qlora_zero_stage
+from test_estimate import LLAMA_1B, LLAMA_8B, SMALL  # tests/ is on sys.path under pytest
 
-SMALL = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
-             tie_word_embeddings=False)
-LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                tie_word_embeddings=True, max_position_embeddings=131072)
-LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                tie_word_embeddings=False, max_position_embeddings=131072)
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 P_8B = 8_030_261_248
 
