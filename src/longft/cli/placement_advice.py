@@ -44,8 +44,8 @@ class _Overlays:
                                                    width=1 << 16).strip())
         if self.a.out:
             path = _alt_path(self.a.out, name)
-            write_overlay(str(path), ov, c, gpu_mem=self.a.gpu_mem, host_mem=self.a.host_mem, quiet=True,
-                          title=f"longft placement, instead of the asked run: {name}")
+            write_overlay(str(path), ov, c, gpu_mem=self.a.gpu_mem, host_mem=self.a.host_mem,
+                          quiet=True, title=f"longft placement, instead of the asked run: {name}")
             self.written.append(path)
         return ov
 
@@ -92,6 +92,6 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
     print(f"\nsmallest change that fits: {rec.change} (~{c.tokens_per_s:,.0f} tok/s predicted). "
           f"Its overlay (merge onto {a.params}; `longft placement ... {rec.flags}` "
           "searches it as the asked run):")
-    write_overlay(None, overlay(c, rec.gpus, model_over, None), c, gpu_mem=a.gpu_mem, host_mem=a.host_mem,
-                  title=f"longft placement, instead of the asked run: {rec.change}")
+    write_overlay(None, overlay(c, rec.gpus, model_over, None), c, gpu_mem=a.gpu_mem,
+                  host_mem=a.host_mem, title=f"longft placement, instead of the asked run: {rec.change}")
     return 1

@@ -153,10 +153,11 @@ def numbers(arch: dict, s: Setup) -> Numbers:
     on_gpu, on_host = optimizer_split(s, list(sizes["groups"]))
     return Numbers(
         w=4 if s.precision == "fp32" else 2, T=s.local_tokens,
-        knobs=dict(_zero_knobs(stage=s.zero_stage, overlap=s.overlap_comm, off_opt=s.offload_optimizer,
-                               off_param=s.offload_param,
-                          reduce=s.reduce_bucket_size, prefetch=s.prefetch_bucket_size,
-                          persist=s.param_persistence_threshold, live=s.max_live_parameters, h=sizes["a"]["h"])),
+        knobs=dict(_zero_knobs(stage=s.zero_stage, overlap=s.overlap_comm,
+                               off_opt=s.offload_optimizer, off_param=s.offload_param,
+                               reduce=s.reduce_bucket_size, prefetch=s.prefetch_bucket_size,
+                               persist=s.param_persistence_threshold, live=s.max_live_parameters,
+                               h=sizes["a"]["h"])),
         gpu_groups=on_gpu, host_groups=on_host, ms=2 if s.optimizer_states == "bf16" else 4,
         **{k: list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, dict) else v
            for k, v in sizes.items()})

@@ -55,5 +55,5 @@ def _max_context_auto_tiled(arch: dict, base: Setup, gpu_mem_gib, host_mem_gib, 
         if tiled >= TILED_MLP_FROM:
             return tiled, True
     return max_context(arch, dataclasses.replace(base, tiled_mlp=False), gpu_mem_gib=gpu_mem_gib,
-                       host_mem_gib=host_mem_gib,
-                       vram_limit_gib=vram_limit_gib, max_seq=min(top, TILED_MLP_FROM - 1)), False
+                       host_mem_gib=host_mem_gib, vram_limit_gib=vram_limit_gib,
+                       max_seq=min(top, TILED_MLP_FROM - 1)), False
