@@ -2,13 +2,17 @@
 # Everything that needs a GPU, in one go: the gpu-marked tests, then benchmark rows.
 #
 #   bash scripts/gpu_suite.sh [--no-tests] [overlay.yaml ...] [--grid GRID.yaml ...] \
-#       [--max-context overlay.yaml GiB ...]
+#       [--max-context-args "ARGS"] [--max-context overlay.yaml GiB ...] [--pytest "ARGS" ...]
 #
+# Without --no-tests, every gpu-marked test runs first; the items after it run in the order given.
 # --grid: every row of a sweep grid (bench/grids/), in the grid's order, as an overlay (`longft
 # sweep GRID --overlays`); a row named in an earlier grid or overlay runs once.
-# --max-context: after the rows, `longft max-context --confirm` for each overlay (merged onto
+# --max-context: `longft max-context --confirm` for each overlay (merged onto
 # params.yaml) at a GPU budget of GiB (a smaller card emulated with hardware.vram_limit_gib);
-# the report goes to $OUT/results/<overlay>-<GiB>gib-maxctx.json.
+# the report goes to $OUT/results/<overlay>-<GiB>gib-maxctx.json; --max-context-args (e.g.
+# "--host-mem 60 --max-seq 106496") are passed to the max-context items after it.
+# --pytest "ARGS": the gpu-marked tests that ARGS select (e.g. "tests/test_gpu_qlora.py -k fp16"),
+# logged to $OUT/gpu_tests-<n>.log.
 #
 # On the project's GPU machine (no package index there), first build the missing wheels here with
 # `../shared/device/wheels.sh .whl`, carry .whl, and this script installs them into /tmp/site.
@@ -33,40 +37,60 @@ else
   python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
 fi
-rows=() maxctx=()
+# The items run in the order given: rows (one bench.py run each; a row named twice, also by a
+# grid, runs once), max-context confirmations and test selections.
+jobs=()
+declare -A seen=()
+add_row() {
+  local n; n=$(basename "$1" .yaml)
+  [ -n "${seen[$n]:-}" ] && return; seen[$n]=1; jobs+=("row	$1")
+}
+mc_args=""
 while [ $# -gt 0 ]; do
   if [ "$1" = "--max-context" ]; then
     [ $# -ge 3 ] || { echo "gpu_suite: --max-context needs an overlay and a GiB budget" >&2; exit 2; }
-    maxctx+=("$2" "$3"); shift 3
+    jobs+=("max-context	$2	$3	$mc_args"); shift 3
+  elif [ "$1" = "--max-context-args" ]; then
+    [ $# -ge 2 ] || { echo "gpu_suite: --max-context-args needs its arguments in one word" >&2; exit 2; }
+    mc_args=$2; shift 2
+  elif [ "$1" = "--pytest" ]; then
+    [ $# -ge 2 ] || { echo "gpu_suite: --pytest needs pytest arguments in one word" >&2; exit 2; }
+    jobs+=("pytest	$2"); shift 2
   elif [ "$1" = "--grid" ]; then
     [ $# -ge 2 ] || { echo "gpu_suite: --grid needs a grid file" >&2; exit 2; }
     dir=/tmp/longft-grid/$(basename "$2" .yaml)
     rm -rf "$dir"
     mapfile -t grid_rows < <(python3 -m longft.cli sweep "$2" --overlays "$dir") || exit 2
     [ ${#grid_rows[@]} -gt 0 ] || { echo "gpu_suite: $2 has no rows" >&2; exit 2; }
-    rows+=("${grid_rows[@]}"); shift 2
+    for r in "${grid_rows[@]}"; do add_row "$r"; done
+    shift 2
   else
-    rows+=("$1"); shift
+    add_row "$1"; shift
   fi
 done
-# one run per row name (grids share their baseline rows)
-declare -A seen=() && uniq=()
-for r in ${rows[@]+"${rows[@]}"}; do
-  n=$(basename "$r" .yaml); [ -n "${seen[$n]:-}" ] && continue; seen[$n]=1; uniq+=("$r")
-done
-rows=(${uniq[@]+"${uniq[@]}"})
 if [ -n "${GPU_SUITE_DRY:-}" ]; then  # list what would run, run nothing
-  printf 'row %s\n' ${rows[@]+"${rows[@]}"}; exit 0
+  for j in ${jobs[@]+"${jobs[@]}"}; do echo "${j//	/ }"; done
+  exit 0
 fi
-if [ ${#rows[@]} -gt 0 ]; then
-  python3 scripts/bench.py "${rows[@]}" --commit "${LONGFT_COMMIT:-unknown}" --results "$OUT/results" || rc=1
-fi
-for ((i = 0; i < ${#maxctx[@]}; i += 2)); do
-  ov=${maxctx[i]} gib=${maxctx[i+1]} name=$(basename "${maxctx[i]}" .yaml)
-  work=/tmp/longft-maxctx/$name-${gib}gib
-  mkdir -p "$work"
-  python3 scripts/bench.py "$ov" --write-params "$work" || { rc=1; continue; }
-  python3 -m longft.cli max-context --params "$work/$name.yaml" --gpu-mem "$gib" --confirm \
-    --work "$work" --out "$OUT/results/$name-${gib}gib-maxctx.json" || rc=1
+n_tests=0
+for j in ${jobs[@]+"${jobs[@]}"}; do
+  IFS=$'\t' read -r kind a b c <<< "$j"
+  echo "gpu_suite: $(date -u +%H:%M:%S) ${j//	/ }"
+  case $kind in
+    row)
+      python3 scripts/bench.py "$a" --commit "${LONGFT_COMMIT:-unknown}" --results "$OUT/results" || rc=1 ;;
+    max-context)
+      name=$(basename "$a" .yaml) work=/tmp/longft-maxctx/$name-${b}gib
+      mkdir -p "$work"
+      python3 scripts/bench.py "$a" --write-params "$work" || { rc=1; continue; }
+      # shellcheck disable=SC2086  # the extra arguments are words
+      python3 -m longft.cli max-context --params "$work/$name.yaml" --gpu-mem "$b" $c --confirm \
+        --work "$work" --out "$OUT/results/$name-${b}gib-maxctx.json" || rc=1 ;;
+    pytest)
+      n_tests=$((n_tests + 1))
+      # eval: ARGS may quote, as in -k 'fp16 or 8bit'
+      eval "python3 -m pytest -m gpu -q -p no:cacheprovider $a" 2>&1 | tee "$OUT/gpu_tests-$n_tests.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+  esac
 done
 exit $rc
