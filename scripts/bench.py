@@ -59,6 +59,8 @@ def run_row(overlay_path: Path, base: Path, work_root: Path, results: Path, comm
                    ("plan", "artifacts/plan.json")):
         if (d := run.read_json(f)) is not None:
             out[key] = d
+    if (d := run.read_json("run/profile/rank0.split.json")) is not None:  # output.profile_steps
+        out["profile_split"] = d  # the trace stays in the work folder (too large to carry back)
     if "plan" in out:
         out["plan"] = {k: out["plan"][k] for k in ("resolved", "patches", "model", "batch",
                                                    "memory_estimate", "hardware")}

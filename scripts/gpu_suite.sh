@@ -2,7 +2,7 @@
 # Everything that needs a GPU, in one go: the gpu-marked tests, then benchmark rows.
 #
 #   bash scripts/gpu_suite.sh [--no-tests] [overlay.yaml ...] [--grid GRID.yaml ...] \
-#       [--max-context-args "ARGS"] [--max-context overlay.yaml GiB ...] [--pytest "ARGS" ...]
+#       [--max-context-args "ARGS"] [--max-context overlay.yaml GiB ...] [--pytest "ARGS" ...] [--cmd "COMMAND" ...]
 #
 # Without --no-tests, every gpu-marked test runs first; the items after it run in the order given.
 # --grid: every row of a sweep grid (bench/grids/), in the grid's order, as an overlay (`longft
@@ -12,7 +12,8 @@
 # the report goes to $OUT/results/<overlay>-<GiB>gib-maxctx.json; --max-context-args (e.g.
 # "--host-mem 60 --max-seq 106496") are passed to the max-context items after it.
 # --pytest "ARGS": the gpu-marked tests that ARGS select (e.g. "tests/test_gpu_qlora.py -k fp16"),
-# logged to $OUT/gpu_tests-<n>.log.
+# logged to $OUT/gpu_tests-<n>.log. --cmd "COMMAND": any other command (a probe script), its output
+# in $OUT/results/cmd-<n>.log.
 #
 # On the project's GPU machine (no package index there), first build the missing wheels here with
 # `../shared/device/wheels.sh .whl`, carry .whl, and this script installs them into /tmp/site.
@@ -53,6 +54,9 @@ while [ $# -gt 0 ]; do
   elif [ "$1" = "--max-context-args" ]; then
     [ $# -ge 2 ] || { echo "gpu_suite: --max-context-args needs its arguments in one word" >&2; exit 2; }
     mc_args=$2; shift 2
+  elif [ "$1" = "--cmd" ]; then
+    [ $# -ge 2 ] || { echo "gpu_suite: --cmd needs a command in one word" >&2; exit 2; }
+    jobs+=("cmd	$2"); shift 2
   elif [ "$1" = "--pytest" ]; then
     [ $# -ge 2 ] || { echo "gpu_suite: --pytest needs pytest arguments in one word" >&2; exit 2; }
     jobs+=("pytest	$2"); shift 2
@@ -72,7 +76,7 @@ if [ -n "${GPU_SUITE_DRY:-}" ]; then  # list what would run, run nothing
   for j in ${jobs[@]+"${jobs[@]}"}; do echo "${j//	/ }"; done
   exit 0
 fi
-n_tests=0
+n_tests=0 n_cmds=0
 for j in ${jobs[@]+"${jobs[@]}"}; do
   IFS=$'\t' read -r kind a b c <<< "$j"
   echo "gpu_suite: $(date -u +%H:%M:%S) ${j//	/ }"
@@ -90,6 +94,10 @@ for j in ${jobs[@]+"${jobs[@]}"}; do
       n_tests=$((n_tests + 1))
       # eval: ARGS may quote, as in -k 'fp16 or 8bit'
       eval "python3 -m pytest -m gpu -q -p no:cacheprovider $a" 2>&1 | tee "$OUT/gpu_tests-$n_tests.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+    cmd)
+      n_cmds=$((n_cmds + 1))
+      eval "$a" 2>&1 | tee "$OUT/results/cmd-$n_cmds.log"
       [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
   esac
 done

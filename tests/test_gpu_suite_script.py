@@ -38,11 +38,12 @@ def test_items_run_in_the_order_given_with_their_max_context_arguments(tmp_path)
               "--max-context", "bench/configs/h200-8b-qlora-96k-cap24.yaml", "24",
               "bench/configs/h200-1b-16k-gpu.yaml", "--pytest", "tests/test_gpu_qlora.py -k 'fp16 or 8bit'",
               "--max-context-args", "", "--max-context", "bench/configs/maxctx-1b.yaml", "16",
-              "bench/configs/h200-1b-16k-gpu.yaml")
+              "bench/configs/h200-1b-16k-gpu.yaml", "--cmd", "python scripts/qlora_memory_probe.py")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [
         "max-context bench/configs/h200-8b-qlora-96k-cap24.yaml 24 --host-mem 60 --max-seq 106496",
         "row bench/configs/h200-1b-16k-gpu.yaml",
         "pytest tests/test_gpu_qlora.py -k 'fp16 or 8bit'",
         "max-context bench/configs/maxctx-1b.yaml 16 ",
+        "cmd python scripts/qlora_memory_probe.py",
     ]
