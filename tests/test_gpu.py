@@ -197,6 +197,31 @@ def test_cpu_offload_checkpoints_same_grads_and_frees_what_it_moves(gpu_layers, 
         assert hooks.prefetch_hits >= 8 - gpu_layers - 2
     else:
         assert hooks.prefetch_hits == 0   # checkpointing.prefetch false: each copied back on demand
+    # in page-locked slabs of exactly their bytes (not torch's power-of-two blocks)
+    assert offloader.slabs.registered
+    assert offloader.slabs.allocated_bytes == (8 - gpu_layers) * layer_input
+
+
+def test_pinned_slabs_are_page_locked_and_copy_both_ways_asynchronously():
+    from longft.model.pinned_slabs import PinnedSlabs
+
+    slabs = PinnedSlabs(pin=True)
+    host = slabs.take((3, 1000, 999), torch.bfloat16)         # 5.99 MB: not a power of two
+    assert host.is_pinned() and slabs.registered and slabs.allocated_bytes == 3 * 1000 * 999 * 2
+    gpu = torch.randn(3, 1000, 999, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        host.copy_(gpu, non_blocking=True)
+        back = torch.empty_like(gpu)
+        back.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    slabs.give(host, done)
+    again = slabs.take((2997000,), torch.float16)             # the same slab, after the copy
+    assert again.data_ptr() == host.data_ptr() and done.query()
+    torch.cuda.synchronize()
+    assert torch.equal(back, gpu)
 
 
 def test_tiled_mlp_matches_the_plain_mlp_in_bf16_with_liger(monkeypatch):

@@ -10,8 +10,8 @@ from longft.model.checkpoint_offload import OffloadHooks
 class CpuHooks(OffloadHooks):
     """Treat CPU tensors as 'device' tensors so the mechanics run without a GPU."""
 
-    def __init__(self, prefetch: bool = True):
-        super().__init__(min_bytes=1024, pin_memory=False, prefetch=prefetch)
+    def __init__(self, prefetch: bool = True, slabs=None):
+        super().__init__(min_bytes=1024, pin_memory=False, prefetch=prefetch, slabs=slabs)
         self.stream = None
         self.unpacked = []
 
@@ -131,3 +131,49 @@ def test_checkpoint_offload_needs_checkpointing_and_bounds_gpu_layers():
     model.gradient_checkpointing_disable()
     with pytest.raises(ValueError, match="gradient checkpointing"):
         CheckpointOffload(_decoder_layers(model))
+
+
+class Event:
+    def __init__(self):
+        self.waited = 0
+
+    def synchronize(self):
+        self.waited += 1
+
+
+def test_slabs_are_the_exact_size_and_reused_only_after_their_copy():
+    from longft.model.pinned_slabs import PinnedSlabs
+
+    slabs = PinnedSlabs(pin=False)
+    a = slabs.take((3, 1000), torch.bfloat16)
+    assert a.shape == (3, 1000) and a.dtype == torch.bfloat16 and a.is_contiguous()
+    assert slabs.allocated_bytes == 6000               # not 8192: no power-of-two rounding
+    copy = Event()
+    slabs.give(a, copy)
+    b = slabs.take((1500,), torch.float32)             # the same bytes, another shape and dtype
+    assert b.data_ptr() == a.data_ptr() and copy.waited == 1
+    c = slabs.take((3, 1000), torch.bfloat16)          # b is out: a new slab
+    assert c.data_ptr() != b.data_ptr() and slabs.allocated_bytes == 12000
+    slabs.give(b)
+    assert slabs.take((2, 10), torch.float32).data_ptr() != b.data_ptr()   # sizes never mix
+
+
+def test_offloaded_checkpoints_reuse_their_host_buffers_from_step_to_step():
+    from longft.model.checkpoint_offload import CheckpointOffload
+    from longft.model.pinned_slabs import PinnedSlabs
+
+    model = tiny_model()
+    ids = torch.randint(1, 300, (1, 256))
+    slabs = PinnedSlabs(pin=False)
+    layers = _decoder_layers(model)
+    off = CheckpointOffload(layers, hooks=lambda: CpuHooks(slabs=slabs))
+    one_step = len(layers) * 256 * 64 * 4                # each layer's fp32 input, exactly
+    for _ in range(3):
+        off.new_step()
+        grads(model, ids)
+        assert slabs.allocated_bytes == one_step         # made in the first step, then reused
+    off.new_step()
+    model(input_ids=ids, labels=ids)                     # a forward that no backward follows
+    off.new_step()                                       # gives its buffers back
+    grads(model, ids)
+    assert slabs.allocated_bytes == one_step

@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from longft.model.pinned_slabs import PinnedSlabs
+
 OFFLOAD_MIN_BYTES = 1 << 20
 """A decoder layer's saved input is moved to pinned host memory when it is at least this large
 (the estimator's host items use the same threshold)."""
@@ -29,10 +31,13 @@ OFFLOAD_MIN_BYTES = 1 << 20
 
 class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES, pin_memory: bool | None = None,
-                 prefetch: bool = True):
+                 prefetch: bool = True, slabs: PinnedSlabs | None = None):
         self.min_bytes = min_bytes
         self.prefetch = prefetch  # False: each tensor is copied back only when its unpack asks
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        # host buffers of the exact size (torch's pinned blocks round up to a power of two),
+        # shared by the steps' hooks (CheckpointOffload)
+        self.slabs = slabs if slabs is not None else PinnedSlabs(self.pin)
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.host: dict[int, tuple[torch.Tensor, torch.device, object]] = {}
         self.prefetched: dict[int, tuple[torch.Tensor, object]] = {}
@@ -51,7 +56,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             return t
         key = self.next_key
         self.next_key += 1
-        cpu = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=self.pin)
+        cpu = self.slabs.take(t.shape, t.dtype)
         if self.stream is not None and t.is_cuda:
             self.stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(self.stream):
@@ -70,7 +75,9 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def _to_device(self, key: int):
         cpu, device, done = self.host.pop(key)
         if self.stream is None or device.type != "cuda":
-            return cpu.to(device), None
+            gpu = cpu.to(device)
+            self.slabs.give(cpu)
+            return gpu, None
         # Allocate on the compute stream, so the block comes from (and goes back to) the compute
         # stream's pool: a tensor allocated on the side stream would sit in a pool of its own that
         # the compute stream never reuses (reserved memory far above allocated memory).
@@ -85,7 +92,15 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
             gpu.record_stream(self.stream)
             ready = torch.cuda.Event()
             ready.record(self.stream)
+        self.slabs.give(cpu, ready)  # reusable once this copy has read it
         return gpu, ready
+
+    def release(self) -> None:
+        """Give back the host buffers of tensors that no backward took (a forward without one,
+        or a step that failed half-way), once their copies to the host are done."""
+        for cpu, _, done in self.host.values():
+            self.slabs.give(cpu, done)
+        self.host.clear()
 
     def _unpack(self, packed):
         if not isinstance(packed, int):
@@ -118,13 +133,17 @@ class CheckpointOffload:
         if not layers:
             raise ValueError("no decoder layer has gradient checkpointing on: enable it first")
         self.hooks: OffloadHooks | None = None
-        self._new_hooks = hooks or (lambda: OffloadHooks(min_bytes=min_bytes, prefetch=prefetch))
+        self.slabs = PinnedSlabs(torch.cuda.is_available())
+        self._new_hooks = hooks or (lambda: OffloadHooks(min_bytes=min_bytes, prefetch=prefetch,
+                                                         slabs=self.slabs))
         for i, layer in enumerate(layers):
             base = layer._gradient_checkpointing_func
             layer._gradient_checkpointing_func = functools.partial(
                 self._checkpoint, base, i < len(layers) - gpu_layers)
 
     def new_step(self) -> OffloadHooks:
+        if self.hooks is not None:
+            self.hooks.release()
         self.hooks = self._new_hooks()
         return self.hooks
 
