@@ -2,7 +2,8 @@
 Adam states (`optim.name` adamw_8bit / paged_adamw_8bit), and the ZeRO stage QLoRA runs on.
 
 Pure functions; the formulas and where each byte comes from are in docs/estimator.md ("QLoRA and
-8-bit optimizer states"). None of it has a measured row yet.
+8-bit optimizer states"). The rows measured against it (NF4 on an emulated 24 GiB card) are in
+bench/LOG.md.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ QLORA_SURPLUS_H = 4.9
 activation dtype's bytes times the hidden size): the emulated 24 GiB row at 32K tokens
 (`h200-8b-qlora-32k-cap24`, bench/LOG.md) allocated 4.88 of them per token more than the items
 above, and its 128K twin ran out of memory where the items alone said it fits. Not yet attributed
-(the profiler will tell); counted per token and untiled, so that the planner does not offer a QLoRA
-run that runs out of memory. int8 has no measured row and no surplus."""
+(scripts/qlora_memory_probe.py finds none per token inside a decoder layer; the 106K row's surplus
+was about the 32K row's, so it may be constant); counted per token and untiled, so that the planner
+does not offer a QLoRA run that runs out of memory. int8 has no measured row and no surplus."""
 
 
 def _ceil(a: int, b: int) -> int:
