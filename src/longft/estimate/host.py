@@ -142,12 +142,11 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
                 alloc(f"acc:{i}", w * share(m, N), "gradient accumulation buffers (pinned)")
     at_start = pinned_peak(events, rounding=cuda)   # all of deepspeed.initialize's pinned blocks
     events.append(("empty", "", 0))  # after deepspeed.initialize (trainer.py)
-    ckpt = 0
-    if s.checkpointing == "cpu_offload" and n.T * w * n.a["h"] >= OFFLOAD_MIN_BYTES:
-        # only the decoder layers' saved inputs go (offload.CheckpointOffload), not the last
-        # gpu_layers; in slabs of their exact size (model/pinned_slabs.py), not the power-of-two
-        # blocks of torch's pinned allocator
-        ckpt = max(0, n.a["L"] - s.gpu_layers) * n.T * w * n.a["h"]
+    # only the decoder layers' saved inputs go (offload.CheckpointOffload), not the last
+    # gpu_layers; in slabs of their exact size (model/pinned_slabs.py), not the power-of-two
+    # blocks of torch's pinned allocator
+    offloaded = (max(0, n.a["L"] - s.gpu_layers) if s.checkpointing == "cpu_offload"
+                 and n.T * w * n.a["h"] >= OFFLOAD_MIN_BYTES else 0)
     for j in range(2):       # the DataLoader pins each batch; the previous one is still referenced
         for t in range(3):
             alloc(f"batch:{j}:{t}", n.T * 8, "DataLoader pinned batches")
@@ -159,12 +158,11 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         out.append(Item(name if cuda else name.replace(" (pinned)", "").replace(" pinned", ""),
                         "host", R * b, ("steady",),
                         f"{R} rank(s) x power-of-two pinned blocks" if cuda else f"{R} rank(s)"))
-    if ckpt:
+    if offloaded:
         out.append(Item("activation checkpoints (pinned)" if cuda else "activation checkpoints",
-                        "host", R * ckpt, ("steady",),
-                        f"{R} rank(s) x {max(0, n.a['L'] - s.gpu_layers)} layers x micro x seq x h x "
-                        f"{w} B, pinned in slabs of their exact size" if cuda else
-                        f"{R} rank(s) x {max(0, n.a['L'] - s.gpu_layers)} layers x micro x seq x h x {w} B"))
+                        "host", R * offloaded * n.T * w * n.a["h"], ("steady",),
+                        f"{R} rank(s) x {offloaded} layers x micro x seq x h x {w} B"
+                        + (", pinned in slabs of their exact size" if cuda else "")))
     if at_start:
         out.append(Item("start-up: pinned blocks of DeepSpeed's init" if cuda
                         else "start-up: host buffers of DeepSpeed's init", "host", R * at_start,
