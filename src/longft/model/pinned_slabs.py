@@ -33,7 +33,7 @@ class PinnedSlabs:
         """A host tensor of `shape` and `dtype` on a slab of exactly its bytes."""
         import torch
 
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         ready = self.free.get(n)
         if ready:
             slab, event = ready.pop()
