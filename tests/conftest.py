@@ -72,8 +72,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _launches_only_when_slow(request, monkeypatch):
-    """In a test not marked slow, starting a stage process fails at once (with what to do)."""
-    if request.node.get_closest_marker("slow"):
+    """In a test not marked slow, starting a stage process fails at once (with what to do). GPU
+    tests are a tier of their own (scripts/gpu_suite.sh) and may start stages."""
+    if request.node.get_closest_marker("slow") or request.node.get_closest_marker("gpu"):
         return
     from longft.run import pipeline
 

@@ -64,6 +64,8 @@ CURRENT = (
     Current("reference C's workload in 40 GB of VRAM, 174 GiB of host RAM", "h200-8b-128k-shared",
             "C"),
     Current("reference C's workload on 128 GiB of host RAM", "h200-8b-128k-ratio", "C"),
+    Current("reference C's workload on a 48 GiB card with 118 GiB of RAM, emulated",
+            "h200-8b-128k-cap48", "C"),
     Current("the same, packed documents", "h200-8b-128k-ratio-packed"),
     Current("LoRA rank 8, no offload", "q3-8b-128k-lora8"),
     Current("a 24 GiB card with 60 GiB of RAM, emulated: QLoRA, packed documents",
