@@ -323,19 +323,27 @@ def test_lora_with_offloaded_parameters_peaks_at_start_up():
     assert e.host_rss > sum(b for i in e.host_items() if "steady" in i.phases for b in [i.bytes])
 
 
-def test_optimizer_offload_alone_converts_each_sub_group_on_the_host():
-    """ZeRO-3 with only the optimizer on the CPU: the step copies each fp32 sub-group into the GPU's
-    bf16 partition through a pageable bf16 temporary on the host (the largest: 1,003,012,096 x 2 B
-    for Llama-3.2-1B). With the parameters on the CPU too, the copy stays on the host: none."""
-    name = "step: bf16 copy of a sub-group (pageable)"
+def test_optimizer_offload_alone_copies_back_through_pinned_chunks():
+    """ZeRO-3 with only the optimizer on the CPU: the step converts each fp32 sub-group into a few
+    pinned bf16 chunks on its way to the GPU's partition (engine/param_copy_back.py), whatever the
+    sub-group's size. DeepSpeed's own copy (plans older than it) made a pageable bf16 temporary
+    of the largest sub-group (1,003,012,096 x 2 B for Llama-3.2-1B). With the parameters on the
+    CPU too, DeepSpeed converts in place: neither."""
+    from longft.engine import param_copy_back
+
+    name, old = "step: copy-back chunks (pinned)", "step: bf16 copy of a sub-group (pageable)"
+    chunks = param_copy_back.CHUNKS * param_copy_back.CHUNK_ELEMENTS * 2
     opt = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True))
-    assert items(opt, "host")[name] == 2 * 1_003_012_096
-    both = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, offload_param=True))
-    assert name not in items(both, "host")
-    assert name not in items(estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True,
-                                                      precision="fp32")), "host")   # no dtype change
-    assert name not in items(estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True,
-                                                      device="cpu")), "host")       # converts in place
+    assert items(opt, "host")[name] == chunks and old not in items(opt, "host")
+    ds = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, copy_back="deepspeed"))
+    assert items(ds, "host")[old] == 2 * 1_003_012_096 and name not in items(ds, "host")
+    assert ds.host_rss - opt.host_rss == 2 * 1_003_012_096 - chunks
+    for other in (dict(offload_param=True), dict(precision="fp32"), dict(device="cpu")):
+        host = items(estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, **other)), "host")
+        assert name not in host and old not in host, other
     two = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, world_size=2, ranks_per_node=2))
-    assert items(two, "host")[name] == 2 * 2 * max(sub_groups([-(-n // 2) for _, n in param_numels(LLAMA_1B)]))
+    assert items(two, "host")[name] == 2 * chunks                                   # one set a rank
+    old2 = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, world_size=2, ranks_per_node=2,
+                                    copy_back="deepspeed"))
+    assert items(old2, "host")[old] == 2 * 2 * max(sub_groups([-(-n // 2) for _, n in param_numels(LLAMA_1B)]))
 

@@ -35,6 +35,11 @@ LORA_ROWS = ("q3-1b-16k-lora8", "q3-1b-16k-lora64", "q3-8b-128k-lora8", "q3-8b-1
 
 # Known misses (issue 6), strict: fixing one turns its test red.
 KNOWN_MISSES = {
+    # 8B QLoRA at 352,256 tokens on an emulated 80 GiB card (0efa3c8): allocated 48.68 GiB against
+    # 54.55 predicted (+12 %, on the safe side). Without QLORA_SURPLUS_H (counted per token: 13.2
+    # GiB here) the items say 41.40, so the unitemised surplus was 7.3 GiB, against 1.2 at 32K and
+    # 106K: neither constant nor per token (bench/LOG.md). NVML was within 0.1 %.
+    ("h200-8b-qlora-352k-cap80.json", "vram_max_allocated"),
     # Parameters offloaded to the CPU at small micro-batches (issue 22's q1 grid, 7a8482e): about
     # 0.77 GiB allocated and 2.5-3 GiB reserved that the estimate lacks, the same at every
     # micro-batch (at 16 and 48 the rows are within 2 %); not yet itemised (ZeRO-3's fetch buffers
@@ -190,6 +195,7 @@ def test_max_context_gpu_runs_within_10_percent():
     h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
                     gpu_mem_gib=139.8, host_mem_gib=251.8, cpu_count=32, flash_attn=False, liger=True)
     resolved = {k: c.value for k, c in resolve(cfg, h200, arch["model_type"]).items()}
+    resolved["copy_back"] = "deepspeed"    # and before engine/param_copy_back.py
     est = estimate(arch, setup_from_config(cfg, resolved))
     measured = run["measured"]
     assert abs(est.gpu_allocated / GIB / measured["vram_allocated_gib"] - 1) < 0.10

@@ -374,3 +374,23 @@ def test_bf16_optimizer_states_depart_little_from_fp32(tmp_path):
           f"(fp32 {fp32[-1]:.4f}, bf16 {bf16[-1]:.4f} at the last)")
     assert bf16 != fp32          # it really ran in bf16
     assert dep < 0.05, (fp32, bf16)
+
+
+def test_chunked_copy_back_to_the_gpu_gives_deepspeeds_bits_in_stream_order():
+    """engine/param_copy_back.py on the GPU: pinned chunks copied on a side stream; the compute
+    stream's next kernel sees every new value, bit for bit what DeepSpeed's own copy_ gives."""
+    from longft.engine.param_copy_back import ChunkedCopyBack
+
+    torch.manual_seed(0)
+    src = torch.randn(2_000_003) * 3
+    ref = torch.zeros(2_000_003, dtype=torch.bfloat16, device="cuda")
+    ref.copy_(src)                                            # DeepSpeed's copy: CPU convert, sync
+    out = torch.zeros_like(ref)
+    copier = ChunkedCopyBack(chunk=300_000, chunks=3)
+    for _ in range(2):                                        # two sub-groups: the chunks reused
+        copier.copy(out, src)
+        same = torch.equal(out.view(torch.int16), ref.view(torch.int16))   # queued after the copies
+        assert same
+        out.zero_()
+    ring = copier.bufs[torch.bfloat16]
+    assert len(ring) == 3 and all(buf.is_pinned() for buf, _ in ring)

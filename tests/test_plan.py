@@ -25,7 +25,7 @@ def test_v100_resolves_fp16_sdpa():
     assert v == {"device": "cuda", "precision": "fp16", "attention": "sdpa",
                  "sdpa_backend": "efficient", "packed_attention": "per_document", "liger": True,
                  "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full",
-                 "quantize": "none"}
+                 "quantize": "none", "copy_back": "chunked"}
 
 
 def test_host_grad_buffer_auto_is_shared_only_where_exact():
@@ -99,7 +99,7 @@ def test_cpu_resolves_bf16_sdpa_no_liger():
     assert v == {"device": "cpu", "precision": "bf16", "attention": "sdpa",
                  "sdpa_backend": "default", "packed_attention": "per_document", "liger": False,
                  "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full",
-                 "quantize": "none"}
+                 "quantize": "none", "copy_back": "deepspeed"}
 
 
 def test_liger_auto_off_for_unsupported_family():
@@ -320,3 +320,18 @@ def test_make_plan_unknown_architecture():
     from longft.model.loading import ModelError
     with pytest.raises(ModelError, match="configs/models"):
         make_plan(from_dict({"model": {"name": "no-such-model"}}), CPU)
+
+
+@pytest.mark.parametrize("over,expected", [
+    ({}, "chunked"),                                                  # ZeRO-3, optimizer on the CPU
+    ({"zero": {"offload_param": "cpu"}}, "deepspeed"),                # partitions on the host
+    ({"zero": {"offload_optimizer": "none"}}, "deepspeed"),           # master on the GPU
+    ({"zero": {"stage": 2}}, "deepspeed"),                            # ZeRO-2's own optimizer
+    ({"zero": {"optimizer_states": "bf16"}}, "deepspeed"),            # no dtype change
+    ({"precision": "fp32"}, "deepspeed"),
+    ({"lora": {"rank": 8, "quantize": "nf4"}}, "deepspeed"),          # QLoRA runs on ZeRO-2
+])
+def test_copy_back_is_chunked_where_the_step_converts_host_master_into_gpu_partitions(over, expected):
+    base = {"precision": "bf16", "zero": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "none"}}
+    from longft.config.params import merge
+    assert values(from_dict(merge(base, over)), H200)["copy_back"] == expected

@@ -81,6 +81,9 @@ class Resolved:
     quantize: Choice[str]
     """The frozen base weights of a LoRA run: none (training dtype) | nf4 | int8 (bitsandbytes);
     the reason says which ZeRO stage QLoRA runs on and why."""
+    copy_back: Choice[str]
+    """How the ZeRO-3 step brings the updated fp32 master weights from the host into the GPU's
+    partitions: chunked (engine/param_copy_back.py) | deepspeed (its own copy)."""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "artifacts/plan.json") -> Resolved:
@@ -107,6 +110,7 @@ OLDER_DEFAULTS: Mapping[str, Choice] = MappingProxyType({
     "tiled_mlp": Choice(False, f"{OLDER}: off"),
     "host_grad_buffer": Choice("full", f"{OLDER}: DeepSpeed's full host gradient buffer"),
     "quantize": Choice("none", f"{OLDER}: base weights in the training dtype"),
+    "copy_back": Choice("deepspeed", f"{OLDER}: DeepSpeed's own copy of the updated weights"),
 })
 """The knobs a plan can lack, and what the code did before each existed."""
 

@@ -24,6 +24,7 @@ from longft.engine import (
     checkpoint,
     ds_config,
     grad_buffer,
+    param_copy_back,
     partial_offload,
     profiling,
     stop,
@@ -216,6 +217,12 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
             print("longft: zero.offload_ratio: the optimizer's GPU sub-groups follow the LR schedule "
                   "(DeepSpeed's own GPU AdamW keeps the first step's lr; engine/partial_offload.py)",
                   flush=True)
+    if plan.resolved.copy_back.value == "chunked":
+        installed = param_copy_back.install(engine.optimizer)
+        if rank == 0:
+            print("longft: updated weights go to the GPU through pinned chunks (engine/param_copy_back.py)"
+                  if installed else "longft: DeepSpeed's own copy of the updated weights kept: its "
+                  "optimizer is not the ZeRO-3 one engine/param_copy_back.py knows", flush=True)
     if cuda:
         # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
         # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to

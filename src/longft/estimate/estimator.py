@@ -119,7 +119,7 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         max_live_parameters=cfg.zero.max_live_parameters,
         offload_param=cfg.zero.offload_param == "cpu", overlap_comm=cfg.zero.overlap_comm,
         grad_accum=max(1, cfg.train.global_batch_size // (micro * ws)),
-        host_grad_buffer=r.host_grad_buffer.value,
+        host_grad_buffer=r.host_grad_buffer.value, copy_back=r.copy_back.value,
         # packed rows build a [seq x seq] mask only under kernels.packed_attention: mask
         block_mask=r.packed_attention.value == "mask" and cfg.data.pack and cfg.data.source != "random",
         flash_attn_4=r.packed_attention.value == "flash_attn_4",

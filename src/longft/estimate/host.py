@@ -4,6 +4,7 @@ torch's power-of-two host caching allocator) and CPU Adam's states.
 
 from __future__ import annotations
 
+from longft.engine import param_copy_back
 from longft.estimate.arch import Numbers, share
 from longft.estimate.types import (
     CPU_LAUNCHER_BASE_BYTES,
@@ -176,12 +177,19 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
     host_share = sum(n.host_groups) if z3 else n.Pt_r
     if (s.offload_optimizer and z3 and not s.offload_param and cuda and w < n.ms
             and max(n.host_groups, default=0)):
-        # the step copies each sub-group's fp32 master into the GPU's bf16 partition; a CPU -> GPU
-        # copy_ that changes dtype converts on the CPU first (ATen copy_kernel_cuda), into a
-        # pageable temporary that lives while the copy runs
-        g = max(n.host_groups)
-        out.append(Item("step: bf16 copy of a sub-group (pageable)", "host", R * w * g,
-                        ("steady",), f"{R} rank(s) x {w} B x {g:,} elements, during the step"))
+        if s.copy_back == "chunked":
+            # the step copies each sub-group's fp32 master into the GPU's bf16 partition through
+            # a few pinned chunks of the partition's dtype (engine/param_copy_back.py)
+            out.append(Item("step: copy-back chunks (pinned)", "host",
+                            R * param_copy_back.host_bytes(w), ("steady",),
+                            f"{R} rank(s) x {param_copy_back.CHUNKS} x "
+                            f"{param_copy_back.CHUNK_ELEMENTS:,} elements x {w} B"))
+        else:
+            # DeepSpeed's own copy_: a CPU -> GPU copy that changes dtype converts on the CPU
+            # first (ATen copy_kernel_cuda), into a pageable temporary of the whole sub-group
+            g = max(n.host_groups)
+            out.append(Item("step: bf16 copy of a sub-group (pageable)", "host", R * w * g,
+                            ("steady",), f"{R} rank(s) x {w} B x {g:,} elements, during the step"))
     if s.offload_optimizer and not s.nvme and host_share:
         of = "" if s.offload_ratio == 1 else f" (offload_ratio {s.offload_ratio:g}: {len(n.host_groups)} of " \
             f"{len(n.groups)} sub-groups)"

@@ -105,6 +105,7 @@ class Setup:
     max_live_parameters: int | None = None
     grad_accum: int = 1
     host_grad_buffer: str = "full"   # full | shared (grad_buffer.py): DeepSpeed's host gradient copy
+    copy_back: str = "chunked"       # chunked (engine/param_copy_back.py) | deepspeed (its own copy)
     block_mask: bool = False         # packed rows under transformers' dense [s x s] block mask
                                      # (kernels.packed_attention: mask; per-document attention has none)
     flash_attn_4: bool = False       # kernels.packed_attention flash_attn_4 (its host runtime)
@@ -158,6 +159,8 @@ class Setup:
             p.append(f"optimizer_states {self.optimizer_states!r} is not fp32 or bf16")
         elif self.optimizer_states == "bf16" and self.precision != "bf16":
             p.append("optimizer_states bf16 needs precision bf16")
+        if self.copy_back not in ("chunked", "deepspeed"):
+            p.append(f"copy_back {self.copy_back!r} is not chunked or deepspeed")
         if self.quantize not in ("none", "nf4", "int8"):
             p.append(f"quantize {self.quantize!r} is not none, nf4 or int8")
         elif self.quantize != "none" and (self.lora_rank <= 0 or self.zero_stage != 2):

@@ -63,6 +63,7 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     put("checkpointing", resolve_checkpointing(cfg, device))
     put("host_grad_buffer", resolve_host_grad_buffer(cfg, precision))
     put("quantize", resolve_quantize(cfg, precision))
+    put("copy_back", resolve_copy_back(cfg, device, precision))
     problems.extend(check_optimizer(cfg))
     problems.extend(check_vram_limit(cfg, hw, device))
     if device == "cpu" and cfg.hardware.device == "auto":
@@ -271,6 +272,21 @@ def resolve_host_grad_buffer(cfg: Config, precision: str) -> tuple[Choice, list[
             f"zero.host_grad_buffer: shared cannot run here: {'; '.join(why_not)}. "
             "Set it to auto or full"]
     return Choice(hb, "set in params"), []
+
+
+def resolve_copy_back(cfg: Config, device: str, precision: str) -> tuple[Choice, list[str]]:
+    """chunked where the ZeRO-3 step converts fp32 master weights on the host into 16-bit
+    partitions on the GPU (optimizer on the CPU, parameters on the GPU); DeepSpeed's own copy
+    elsewhere (nothing to convert, or a partition on the host that it converts in place)."""
+    z = cfg.zero
+    qlora = cfg.lora.rank > 0 and cfg.lora.quantize != "none"     # runs on ZeRO-2
+    if (device == "cuda" and z.stage == 3 and not qlora and z.offload_optimizer == "cpu"
+            and z.offload_param == "none" and precision != "fp32" and z.optimizer_states == "fp32"):
+        return Choice("chunked", "the step's fp32 master weights go to the GPU through pinned "
+                      "chunks, each converted on the CPU while the last one copies "
+                      "(engine/param_copy_back.py)"), []
+    return Choice("deepspeed", "DeepSpeed's own copy: no fp32 master on the host to convert "
+                  "into GPU partitions here"), []
 
 
 def check_optimizer_states(cfg: Config, precision: str) -> list[str]:

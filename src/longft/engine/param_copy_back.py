@@ -1,0 +1,114 @@
+"""The optimizer's fp32 master weights back into the 16-bit partitions, through pinned chunks.
+
+After CPU Adam has updated a sub-group, DeepSpeed's ZeRO-3 step copies its fp32 master weights
+(host) into the 16-bit partition the model computes with (on the GPU unless `offload_param`):
+`fp16_partitioned_groups_flat[i].data.copy_(fp32_partitioned_groups_flat[i].data)`. A blocking
+copy across devices that changes the dtype is done by torch as: convert on the CPU into a new
+pageable tensor (freshly faulted pages), then copy it synchronously. On the H200's 8B row
+(`zero.offload_ratio` 0.7) that is 11.2 GB a step at 7.3 GB/s, with the GPU idle (bench/LOG.md).
+
+`ChunkedCopyBack` converts the master into a few page-locked chunks of the partition's dtype,
+reused from sub-group to sub-group and step to step, and copies each one to the GPU on a side
+stream while the CPU converts the next. The compute stream waits for the copies; the CPU does not,
+so the next sub-group's CPU Adam runs while the last chunks are in flight. The values are the
+same bits: the conversion is torch's own on the CPU (round to nearest even), as in DeepSpeed's copy.
+"""
+
+from __future__ import annotations
+
+CHUNK_ELEMENTS = 1 << 25
+"""Elements per chunk: 64 MiB in bf16 (a power of two, so torch's pinned allocator wastes none)."""
+CHUNKS = 3
+"""Chunks in rotation: one being filled by the CPU, the others being read by copies."""
+
+
+def host_bytes(dtype_bytes: int = 2) -> int:
+    """Page-locked host memory the chunks take (counted by the estimator, estimate/host.py)."""
+    return CHUNKS * CHUNK_ELEMENTS * dtype_bytes
+
+
+class ChunkedCopyBack:
+    def __init__(self, chunk: int | None = None, chunks: int | None = None):
+        import torch
+
+        self.chunk, self.n = chunk or CHUNK_ELEMENTS, chunks or CHUNKS
+        self.cuda = torch.cuda.is_available()
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        self.bufs: dict = {}            # dtype -> [(buffer, event of the copy that read it last)]
+        self.turn = 0
+        self.copied = 0                 # elements copied back (for tests and logs)
+
+    def _buffer(self, dtype):
+        import torch
+
+        ring = self.bufs.setdefault(dtype, [])
+        if len(ring) < self.n:
+            buf = torch.empty(self.chunk, dtype=dtype, pin_memory=self.cuda)
+            ring.append((buf, None))
+            return len(ring) - 1, buf
+        i = self.turn % self.n
+        self.turn += 1
+        buf, done = ring[i]
+        if done is not None:
+            done.synchronize()          # the copy that read it last (long done, as a rule)
+        return i, buf
+
+    def copy(self, dst, src) -> None:
+        """dst (16-bit, on the GPU or the host) <- src (fp32 on the host), as dst.copy_(src)."""
+        import torch
+
+        dst, src = dst.view(-1), src.view(-1)
+        if dst.numel() != src.numel():
+            raise ValueError(f"copy back: {src.numel()} master values for a partition of {dst.numel()}")
+        on_gpu = dst.is_cuda and self.stream is not None
+        if on_gpu:
+            main = torch.cuda.current_stream(dst.device)
+            self.stream.wait_stream(main)   # queued work may still read the partition
+        ring = self.bufs.setdefault(dst.dtype, [])
+        for off in range(0, src.numel(), self.chunk):
+            m = min(self.chunk, src.numel() - off)
+            i, buf = self._buffer(dst.dtype)
+            buf[:m].copy_(src[off: off + m])    # fp32 -> 16 bits, on the CPU
+            if not on_gpu:
+                dst[off: off + m].copy_(buf[:m])
+                continue
+            with torch.cuda.stream(self.stream):
+                dst[off: off + m].copy_(buf[:m], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            ring[i] = (buf, done)
+        if on_gpu:
+            main.wait_stream(self.stream)       # the next forward reads the new weights
+        self.copied += src.numel()
+
+
+def install(optimizer, devices: tuple[str, ...] = ("cuda",)) -> ChunkedCopyBack | None:
+    """Route DeepSpeed ZeRO-3's copy of the updated fp32 master into the 16-bit partitions
+    through `ChunkedCopyBack`, for the sub-groups whose master is on the host and whose partition,
+    of another dtype, is on one of `devices` (a partition on the host, `offload_param`, is converted
+    in place by DeepSpeed's own copy: nothing to gain). None (nothing changed) where no sub-group
+    is such."""
+    flat16 = getattr(optimizer, "fp16_partitioned_groups_flat", None)
+    flat32 = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    reassign = getattr(optimizer, "_reassign_or_swap_out_partitioned_parameters", None)
+    unflatten = getattr(optimizer, "_unflatten_partitioned_parameters", None)
+    if None in (flat16, flat32, reassign, unflatten):
+        return None
+
+    def chunked(i: int) -> bool:
+        a, b = flat16[i], flat32[i]
+        return (a is not None and b is not None and b.device.type == "cpu"
+                and a.device.type in devices and a.dtype != b.dtype and a.numel() == b.numel())
+
+    if not any(chunked(i) for i in range(min(len(flat16), len(flat32)))):
+        return None
+    copier = ChunkedCopyBack()
+
+    def reassign_chunked(sub_group_id):
+        if not chunked(sub_group_id):
+            return reassign(sub_group_id)
+        copier.copy(flat16[sub_group_id].data, flat32[sub_group_id].data)
+        unflatten(sub_group_id)     # as DeepSpeed's own: the parameters view the new partition
+
+    optimizer._reassign_or_swap_out_partitioned_parameters = reassign_chunked
+    return copier
