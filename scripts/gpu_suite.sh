@@ -26,6 +26,17 @@ if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
 fi
+# hardware.bind_cores runs the ranks under numactl, which the GPU machine lacks: Debian's numactl
+# and libnuma1 packages carried in .whl (`apt-get download numactl libnuma1`) are unpacked here
+if ! command -v numactl >/dev/null 2>&1 && compgen -G ".whl/numactl_*.deb" >/dev/null; then
+  mkdir -p /tmp/longft-debs
+  for d in .whl/*.deb; do
+    dpkg-deb -x "$d" /tmp/longft-debs 2>/dev/null || ar p "$d" data.tar.xz | tar xJ -C /tmp/longft-debs
+  done
+  export PATH=/tmp/longft-debs/usr/bin:$PATH \
+    LD_LIBRARY_PATH=/tmp/longft-debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  numactl --show >/dev/null || echo "gpu_suite: the carried numactl does not run here" >&2
+fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 # DeepSpeed's op builder cannot parse arch suffixes such as 9.0a (set by some CUDA images).
 export TORCH_CUDA_ARCH_LIST=$(echo "${TORCH_CUDA_ARCH_LIST:-}" | sed -E 's/([0-9]+\.[0-9]+)[a-z]+/\1/g')
