@@ -376,21 +376,45 @@ def test_bf16_optimizer_states_depart_little_from_fp32(tmp_path):
     assert dep < 0.05, (fp32, bf16)
 
 
-def test_chunked_copy_back_to_the_gpu_gives_deepspeeds_bits_in_stream_order():
-    """engine/param_copy_back.py on the GPU: pinned chunks copied on a side stream; the compute
-    stream's next kernel sees every new value, bit for bit what DeepSpeed's own copy_ gives."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_copy_back_to_the_gpu_gives_deepspeeds_bits_in_stream_order(dtype):
+    """engine/param_copy_back.py on the GPU: pinned chunks copied on a side stream, bit for bit
+    what DeepSpeed's own blocking copy_ gives. torch.cuda._sleep holds one stream back so that each
+    ordering the module promises would fail the test without it."""
     from longft.engine.param_copy_back import ChunkedCopyBack
 
     torch.manual_seed(0)
-    src = torch.randn(2_000_003) * 3
-    ref = torch.zeros(2_000_003, dtype=torch.bfloat16, device="cuda")
-    ref.copy_(src)                                            # DeepSpeed's copy: CPU convert, sync
-    out = torch.zeros_like(ref)
+    n, hold = 2_000_003, 200_000_000          # GPU clock cycles: ~0.1 s
+    srcs = [torch.randn(n) * 3 for _ in range(3)]
+    refs = [torch.zeros(n, dtype=dtype, device="cuda").copy_(x) for x in srcs]  # DeepSpeed's copy
+
+    def bits(t):
+        return t.view(torch.int16)
+
+    out = torch.zeros(n, dtype=dtype, device="cuda")
     copier = ChunkedCopyBack(chunk=300_000, chunks=3)
-    for _ in range(2):                                        # two sub-groups: the chunks reused
-        copier.copy(out, src)
-        same = torch.equal(out.view(torch.int16), ref.view(torch.int16))   # queued after the copies
-        assert same
-        out.zero_()
-    ring = copier.bufs[torch.bfloat16]
+    # 1. the copies wait for what the compute stream queued before them (it may read the
+    # partition), and the compute stream's next work waits for the copies
+    torch.cuda._sleep(hold)
+    out.fill_(7)
+    copier.copy(out, srcs[0])
+    assert torch.equal(bits(out), bits(refs[0]))
+    # 2. a chunk is refilled only once the copy reading it is done (7 chunks, 3 buffers), with the
+    # side stream held back
+    with torch.cuda.stream(copier.stream):
+        torch.cuda._sleep(hold)
+    copier.copy(out, srcs[1])
+    assert torch.equal(bits(out), bits(refs[1]))
+    # 3. after wait() another stream, one that never waits for the compute stream (ZeRO-3's
+    # all-gather stream), reads the new values
+    with torch.cuda.stream(copier.stream):
+        torch.cuda._sleep(hold)
+    copier.copy(out, srcs[2])
+    copier.wait()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        seen = out.clone()
+    other.synchronize()
+    assert torch.equal(bits(seen), bits(refs[2]))
+    ring = copier.bufs[dtype]
     assert len(ring) == 3 and all(buf.is_pinned() for buf, _ in ring)

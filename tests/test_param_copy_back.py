@@ -42,6 +42,38 @@ def test_install_leaves_an_optimizer_it_does_not_know_alone():
     assert install(opt) is None and not hasattr(opt, "_reassign_or_swap_out_partitioned_parameters")
 
 
+class _Zero3Like:
+    """The attributes of DeepSpeed's ZeRO-3 optimizer that install() uses, recording the calls."""
+
+    def __init__(self):
+        self.fp16_partitioned_groups_flat = [torch.zeros(5, dtype=torch.bfloat16), None,
+                                             torch.zeros(3, dtype=torch.bfloat16)]
+        self.fp32_partitioned_groups_flat = [torch.arange(5.0) / 3, torch.zeros(4),
+                                             torch.arange(3.0)]
+        self.calls = []
+
+    def _reassign_or_swap_out_partitioned_parameters(self, i):
+        self.calls.append(("deepspeed", i))
+
+    def _unflatten_partitioned_parameters(self, i):
+        self.calls.append(("unflatten", i))
+
+    def _post_step(self, timer_names):
+        self.calls.append(("post_step", timer_names))
+
+
+def test_install_takes_the_converting_sub_groups_and_keeps_the_rest_and_the_step_end():
+    opt = _Zero3Like()
+    copier = install(opt, devices=("cpu",))
+    for i in range(3):
+        opt._reassign_or_swap_out_partitioned_parameters(i)
+    opt._post_step({"t"})
+    assert opt.calls == [("unflatten", 0), ("deepspeed", 1), ("unflatten", 2), ("post_step", {"t"})]
+    assert torch.equal(opt.fp16_partitioned_groups_flat[0], (torch.arange(5.0) / 3).bfloat16())
+    assert copier.copied == 8
+    assert install(_Zero3Like()) is None          # partitions on the host: DeepSpeed's own copy
+
+
 WORKER = textwrap.dedent("""
     import json, sys
     import torch, deepspeed

@@ -9,9 +9,10 @@ pageable tensor (freshly faulted pages), then copy it synchronously. On the H200
 
 `ChunkedCopyBack` converts the master into a few page-locked chunks of the partition's dtype,
 reused from sub-group to sub-group and step to step, and copies each one to the GPU on a side
-stream while the CPU converts the next. The compute stream waits for the copies; the CPU does not,
-so the next sub-group's CPU Adam runs while the last chunks are in flight. The values are the
-same bits: the conversion is torch's own on the CPU (round to nearest even), as in DeepSpeed's copy.
+stream while the CPU converts the next. The CPU does not wait for the copies: the next sub-group's
+CPU Adam runs while the last chunks are in flight, and the step waits for them once, at its end
+(ZeRO-3 gathers parameters on a stream of its own). The values are the same bits: the conversion
+is torch's own on the CPU (round to nearest even), as in DeepSpeed's copy.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ class ChunkedCopyBack:
         import torch
 
         self.chunk, self.n = chunk or CHUNK_ELEMENTS, chunks or CHUNKS
-        self.cuda = torch.cuda.is_available()
-        self.stream = torch.cuda.Stream() if self.cuda else None
+        self.pin = torch.cuda.is_available()
+        self.stream = None              # the side stream, made on the first partition's GPU
         self.bufs: dict = {}            # dtype -> [(buffer, event of the copy that read it last)]
-        self.turn = 0
+        self.turns: dict = {}           # dtype -> the next buffer of its ring to reuse
         self.copied = 0                 # elements copied back (for tests and logs)
 
     def _buffer(self, dtype):
@@ -43,25 +44,29 @@ class ChunkedCopyBack:
 
         ring = self.bufs.setdefault(dtype, [])
         if len(ring) < self.n:
-            buf = torch.empty(self.chunk, dtype=dtype, pin_memory=self.cuda)
+            buf = torch.empty(self.chunk, dtype=dtype, pin_memory=self.pin)
             ring.append((buf, None))
             return len(ring) - 1, buf
-        i = self.turn % self.n
-        self.turn += 1
+        i = self.turns.get(dtype, 0)
+        self.turns[dtype] = (i + 1) % self.n
         buf, done = ring[i]
         if done is not None:
             done.synchronize()          # the copy that read it last (long done, as a rule)
         return i, buf
 
     def copy(self, dst, src) -> None:
-        """dst (16-bit, on the GPU or the host) <- src (fp32 on the host), as dst.copy_(src)."""
+        """dst (16-bit, on the GPU or the host) <- src (fp32 on the host), as dst.copy_(src). On the
+        GPU the compute stream waits for the copies, the CPU does not: `wait()` before anything
+        else (another stream, the host) reads dst."""
         import torch
 
         dst, src = dst.view(-1), src.view(-1)
         if dst.numel() != src.numel():
             raise ValueError(f"copy back: {src.numel()} master values for a partition of {dst.numel()}")
-        on_gpu = dst.is_cuda and self.stream is not None
+        on_gpu = dst.is_cuda
         if on_gpu:
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(device=dst.device)
             main = torch.cuda.current_stream(dst.device)
             self.stream.wait_stream(main)   # queued work may still read the partition
         ring = self.bufs.setdefault(dst.dtype, [])
@@ -69,7 +74,7 @@ class ChunkedCopyBack:
             m = min(self.chunk, src.numel() - off)
             i, buf = self._buffer(dst.dtype)
             buf[:m].copy_(src[off: off + m])    # fp32 -> 16 bits, on the CPU
-            if not on_gpu:
+            if not on_gpu:                      # (a partition on the host: only the CPU tests)
                 dst[off: off + m].copy_(buf[:m])
                 continue
             with torch.cuda.stream(self.stream):
@@ -80,6 +85,12 @@ class ChunkedCopyBack:
         if on_gpu:
             main.wait_stream(self.stream)       # the next forward reads the new weights
         self.copied += src.numel()
+
+    def wait(self) -> None:
+        """Until every copy has landed (as after DeepSpeed's own blocking copies): ZeRO-3 gathers
+        parameters on a stream of its own, which does not wait for the compute stream."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 def install(optimizer, devices: tuple[str, ...] = ("cuda",)) -> ChunkedCopyBack | None:
@@ -102,6 +113,9 @@ def install(optimizer, devices: tuple[str, ...] = ("cuda",)) -> ChunkedCopyBack 
 
     if not any(chunked(i) for i in range(min(len(flat16), len(flat32)))):
         return None
+    post_step = getattr(optimizer, "_post_step", None)
+    if post_step is None:
+        return None
     copier = ChunkedCopyBack()
 
     def reassign_chunked(sub_group_id):
@@ -110,5 +124,10 @@ def install(optimizer, devices: tuple[str, ...] = ("cuda",)) -> ChunkedCopyBack 
         copier.copy(flat16[sub_group_id].data, flat32[sub_group_id].data)
         unflatten(sub_group_id)     # as DeepSpeed's own: the parameters view the new partition
 
+    def post_step_landed(*args, **kwargs):
+        copier.wait()               # the step returns with every partition updated, as before
+        return post_step(*args, **kwargs)
+
     optimizer._reassign_or_swap_out_partitioned_parameters = reassign_chunked
+    optimizer._post_step = post_step_landed
     return copier
