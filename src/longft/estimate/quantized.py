@@ -30,9 +30,10 @@ QLORA_SURPLUS_H = 4.9
 activation dtype's bytes times the hidden size): the emulated 24 GiB row at 32K tokens
 (`h200-8b-qlora-32k-cap24`, bench/LOG.md) allocated 4.88 of them per token more than the items
 above, and its 128K twin ran out of memory where the items alone said it fits. Not yet attributed
-(scripts/qlora_memory_probe.py finds none per token inside a decoder layer; the 106K row's surplus
-was about the 32K row's, so it may be constant); counted per token and untiled, so that the planner
-does not offer a QLoRA run that runs out of memory. int8 has no measured row and no surplus."""
+(scripts/qlora_memory_probe.py finds none per token inside a decoder layer; over the items it was
+1.2 GiB at 32K and 106K, 7.3 GiB at 352K on the 80 GiB row: neither constant nor per token);
+counted per token and untiled, so that the planner does not offer a QLoRA run that runs out of
+memory (12-16 % high at 106K and 352K). int8 has no measured row and no surplus."""
 
 
 def _ceil(a: int, b: int) -> int:
