@@ -163,3 +163,16 @@ def test_empty_answers_are_counted_like_bad_records_and_refused_when_nothing_is_
     path = write_jsonl(tmp_path / "pc.jsonl", blank)
     stats = prepare(cfg_for(path, num_samples=None, on_bad_record="skip"), tmp_path / "pc")
     assert stats["samples"] == 1 and stats["dropped"] == {"empty_answer": 1}
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_rows_mostly_padding_are_said_with_the_fix(tmp_path, capsys, pack):
+    """Three short chats in rows of 1,024 tokens: most of what the model would compute is padding
+    (the 352K-token H200 row of 2026-12-03 was 83 % padding and took 226 s a step)."""
+    path = write_jsonl(tmp_path / "d.jsonl", chats(3))
+    stats = prepare(cfg_for(path, num_samples=None, pack=pack, max_seq_length=1024), tmp_path / "out")
+    assert stats["packing_efficiency"] < 0.5
+    note = next(n for n in stats["notes"] if "padding" in n)
+    assert note.startswith(f"{1 - stats['packing_efficiency']:.0%} of the rows' tokens are padding")
+    assert ("more documents" if pack else "set data.pack: true") in note
+    assert f"prepare: note: {note}" in capsys.readouterr().out

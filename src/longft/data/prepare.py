@@ -184,7 +184,17 @@ def drop_notes(stats: dict, dc) -> list[str]:
         notes.append(f"{stats['split_text_records']} text record(s) longer than "
                      f"data.max_seq_length split into documents of {dc.max_seq_length} tokens "
                      f"(data.split_text: true)")
+    efficiency = stats.get("packing_efficiency")
+    if efficiency is not None and efficiency < PADDING_NOTE_BELOW:
+        notes.append(f"{1 - efficiency:.0%} of the rows' tokens are padding, which every layer "
+                     f"computes as the tail of each row's last document (attention included): "
+                     + ("more documents, or a lower data.max_seq_length, waste less" if dc.pack
+                        else "set data.pack: true, or lower data.max_seq_length"))
     return [n for n in notes if n]
+
+
+PADDING_NOTE_BELOW = 0.5
+"""A packing efficiency below this is said (drop_notes): the step time is paid for the padding."""
 
 
 def documents_per_row(counts: list[int]) -> dict:
