@@ -324,26 +324,26 @@ def test_lora_with_offloaded_parameters_peaks_at_start_up():
 
 
 def test_optimizer_offload_alone_copies_back_through_pinned_chunks():
-    """ZeRO-3 with only the optimizer on the CPU: the step converts each fp32 sub-group into a few
-    pinned bf16 chunks on its way to the GPU's partition (engine/param_copy_back.py), whatever the
-    sub-group's size. DeepSpeed's own copy (plans older than it) made a pageable bf16 temporary
-    of the largest sub-group (1,003,012,096 x 2 B for Llama-3.2-1B). With the parameters on the
-    CPU too, DeepSpeed converts in place: neither."""
+    """ZeRO-3 with only the optimizer on the CPU: DeepSpeed's own copy of each fp32 sub-group into
+    the GPU's bf16 partition goes through a pageable bf16 temporary of the whole sub-group (the
+    largest: 1,003,012,096 x 2 B for Llama-3.2-1B); zero.copy_back: chunked converts into three
+    pinned chunks instead (engine/param_copy_back.py), whatever the sub-group's size. With the
+    parameters on the CPU too, DeepSpeed converts in place: neither."""
     from longft.engine import param_copy_back
 
     name, old = "step: copy-back chunks (pinned)", "step: bf16 copy of a sub-group (pageable)"
     chunks = param_copy_back.CHUNKS * param_copy_back.CHUNK_ELEMENTS * 2
-    opt = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True))
-    assert items(opt, "host")[name] == chunks and old not in items(opt, "host")
-    ds = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, copy_back="deepspeed"))
+    ds = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True))
     assert items(ds, "host")[old] == 2 * 1_003_012_096 and name not in items(ds, "host")
+    opt = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, copy_back="chunked"))
+    assert items(opt, "host")[name] == chunks and old not in items(opt, "host")
     assert ds.host_rss - opt.host_rss == 2 * 1_003_012_096 - chunks
     for other in (dict(offload_param=True), dict(precision="fp32"), dict(device="cpu")):
-        host = items(estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, **other)), "host")
+        host = items(estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, copy_back="chunked",
+                                              **other)), "host")
         assert name not in host and old not in host, other
-    two = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, world_size=2, ranks_per_node=2))
-    assert items(two, "host")[name] == 2 * chunks                                   # one set a rank
-    old2 = estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, world_size=2, ranks_per_node=2,
-                                    copy_back="deepspeed"))
-    assert items(old2, "host")[old] == 2 * 2 * max(sub_groups([-(-n // 2) for _, n in param_numels(LLAMA_1B)]))
-
+    two = dict(world_size=2, ranks_per_node=2)
+    assert items(estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, copy_back="chunked",
+                                          **two)), "host")[name] == 2 * chunks   # one set a rank
+    assert items(estimate(LLAMA_1B, Setup(1, 16384, offload_optimizer=True, **two)), "host")[old] \
+        == 2 * 2 * max(sub_groups([-(-n // 2) for _, n in param_numels(LLAMA_1B)]))

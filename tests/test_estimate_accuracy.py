@@ -195,7 +195,6 @@ def test_max_context_gpu_runs_within_10_percent():
     h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
                     gpu_mem_gib=139.8, host_mem_gib=251.8, cpu_count=32, flash_attn=False, liger=True)
     resolved = {k: c.value for k, c in resolve(cfg, h200, arch["model_type"]).items()}
-    resolved["copy_back"] = "deepspeed"    # and before engine/param_copy_back.py
     est = estimate(arch, setup_from_config(cfg, resolved))
     measured = run["measured"]
     assert abs(est.gpu_allocated / GIB / measured["vram_allocated_gib"] - 1) < 0.10

@@ -25,7 +25,7 @@ def test_v100_resolves_fp16_sdpa():
     assert v == {"device": "cuda", "precision": "fp16", "attention": "sdpa",
                  "sdpa_backend": "efficient", "packed_attention": "per_document", "liger": True,
                  "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full",
-                 "quantize": "none", "copy_back": "chunked"}
+                 "quantize": "none", "copy_back": "deepspeed"}
 
 
 def test_host_grad_buffer_auto_is_shared_only_where_exact():
@@ -324,14 +324,23 @@ def test_make_plan_unknown_architecture():
 
 @pytest.mark.parametrize("over,expected", [
     ({}, "chunked"),                                                  # ZeRO-3, optimizer on the CPU
-    ({"zero": {"offload_param": "cpu"}}, "deepspeed"),                # partitions on the host
-    ({"zero": {"offload_optimizer": "none"}}, "deepspeed"),           # master on the GPU
-    ({"zero": {"stage": 2}}, "deepspeed"),                            # ZeRO-2's own optimizer
-    ({"zero": {"optimizer_states": "bf16"}}, "deepspeed"),            # no dtype change
-    ({"precision": "fp32"}, "deepspeed"),
-    ({"lora": {"rank": 8, "quantize": "nf4"}}, "deepspeed"),          # QLoRA runs on ZeRO-2
+    ({"zero": {"offload_param": "cpu"}}, "zero.offload_param: none"),
+    ({"zero": {"offload_optimizer": "none"}}, "zero.offload_optimizer: cpu"),
+    ({"zero": {"stage": 2}}, "zero.stage 3"),
+    ({"zero": {"optimizer_states": "bf16"}}, "zero.optimizer_states: fp32"),
+    ({"precision": "fp32"}, "bf16 or fp16"),
+    ({"lora": {"rank": 8, "quantize": "nf4"}}, "zero.stage 3"),        # QLoRA runs on ZeRO-2
 ])
-def test_copy_back_is_chunked_where_the_step_converts_host_master_into_gpu_partitions(over, expected):
-    base = {"precision": "bf16", "zero": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "none"}}
+def test_copy_back_chunked_runs_only_where_the_step_converts_host_master_into_gpu_partitions(over, expected):
     from longft.config.params import merge
-    assert values(from_dict(merge(base, over)), H200)["copy_back"] == expected
+
+    base = {"precision": "bf16", "zero": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "none",
+                                          "copy_back": "chunked"}}
+    cfg = from_dict(merge(base, over))
+    if expected == "chunked":
+        assert values(cfg, H200)["copy_back"] == "chunked"
+    else:
+        with pytest.raises(PlanError, match=f"zero.copy_back: chunked .*needs.*{expected}"):
+            resolve(cfg, H200, "llama")
+    auto = resolve(from_dict(merge(merge(base, over), {"zero": {"copy_back": "auto"}})), H200, "llama")
+    assert auto["copy_back"].value == "deepspeed"                    # until measured on a GPU

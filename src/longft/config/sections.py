@@ -235,6 +235,12 @@ class ZeroConfig:
     accumulation it is only a staging area: `shared` points every partition at one buffer of the
     largest partition's size (grad_buffer.py). auto = shared where that is exact (ZeRO-3,
     offload_optimizer cpu, one micro-step per step, not fp16), else full (DeepSpeed's own)."""
+    copy_back: Literal["auto", "deepspeed", "chunked"] = "auto"
+    """With offload_optimizer cpu (ZeRO-3, parameters on the GPU, fp32 states), how the step puts
+    the updated fp32 master weights into the GPU's 16-bit partitions: `deepspeed` (its blocking
+    copy_, through a pageable temporary of a whole sub-group) or `chunked` (three pinned 64 MiB
+    chunks, copied while the next is converted: param_copy_back.py; the same bits). auto =
+    deepspeed until chunked is measured on a GPU."""
 
 
 @dataclass(frozen=True)

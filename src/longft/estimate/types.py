@@ -105,7 +105,7 @@ class Setup:
     max_live_parameters: int | None = None
     grad_accum: int = 1
     host_grad_buffer: str = "full"   # full | shared (grad_buffer.py): DeepSpeed's host gradient copy
-    copy_back: str = "chunked"       # chunked (engine/param_copy_back.py) | deepspeed (its own copy)
+    copy_back: str = "deepspeed"     # deepspeed (its own copy) | chunked (engine/param_copy_back.py)
     block_mask: bool = False         # packed rows under transformers' dense [s x s] block mask
                                      # (kernels.packed_attention: mask; per-document attention has none)
     flash_attn_4: bool = False       # kernels.packed_attention flash_attn_4 (its host runtime)

@@ -275,18 +275,30 @@ def resolve_host_grad_buffer(cfg: Config, precision: str) -> tuple[Choice, list[
 
 
 def resolve_copy_back(cfg: Config, device: str, precision: str) -> tuple[Choice, list[str]]:
-    """chunked where the ZeRO-3 step converts fp32 master weights on the host into 16-bit
-    partitions on the GPU (optimizer on the CPU, parameters on the GPU); DeepSpeed's own copy
-    elsewhere (nothing to convert, or a partition on the host that it converts in place)."""
+    """zero.copy_back: chunked (engine/param_copy_back.py) only where the ZeRO-3 step converts fp32
+    master weights on the host into 16-bit partitions on the GPU (optimizer on the CPU, parameters
+    on the GPU); auto keeps DeepSpeed's own copy until chunked is measured on a GPU."""
     z = cfg.zero
     qlora = cfg.lora.rank > 0 and cfg.lora.quantize != "none"     # runs on ZeRO-2
-    if (device == "cuda" and z.stage == 3 and not qlora and z.offload_optimizer == "cpu"
-            and z.offload_param == "none" and precision != "fp32" and z.optimizer_states == "fp32"):
-        return Choice("chunked", "the step's fp32 master weights go to the GPU through pinned "
-                      "chunks, each converted on the CPU while the last one copies "
-                      "(engine/param_copy_back.py)"), []
-    return Choice("deepspeed", "DeepSpeed's own copy: no fp32 master on the host to convert "
-                  "into GPU partitions here"), []
+    why_not = [why for why, bad in (
+        ("a GPU", device != "cuda"), ("zero.stage 3", z.stage != 3 or qlora),
+        ("zero.offload_optimizer: cpu", z.offload_optimizer != "cpu"),
+        ("zero.offload_param: none", z.offload_param != "none"),
+        ("bf16 or fp16", precision == "fp32"),
+        ("zero.optimizer_states: fp32", z.optimizer_states != "fp32")) if bad]
+    if z.copy_back == "chunked":
+        if why_not:
+            return Choice("chunked", "set in params"), [
+                f"zero.copy_back: chunked converts fp32 master weights on the host into 16-bit "
+                f"partitions on a GPU, and needs {', '.join(why_not)} (QLoRA runs on ZeRO-2). Set "
+                f"zero.copy_back: auto"]
+        return Choice("chunked", "set in params: the step's fp32 master weights go to the GPU "
+                      "through pinned chunks (engine/param_copy_back.py)"), []
+    if z.copy_back == "deepspeed":
+        return Choice("deepspeed", "set in params"), []
+    return Choice("deepspeed", "auto: DeepSpeed's own copy" + (
+        " (zero.copy_back: chunked is not yet measured on a GPU)" if not why_not
+        else ": no fp32 master on the host to convert into GPU partitions here")), []
 
 
 def check_optimizer_states(cfg: Config, precision: str) -> list[str]:
