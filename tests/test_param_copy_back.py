@@ -1,6 +1,6 @@
 """engine/param_copy_back.py: the ZeRO-3 step's copy of the updated fp32 master weights into the
 16-bit partitions, through a few reused chunks. On the CPU the chunks are plain memory; the values
-must be the very bits of DeepSpeed's own copy (test_gpu.py has the GPU's asynchronous path)."""
+must be the very bits of DeepSpeed's own copy (test_gpu_host_copies.py has the GPU's asynchronous path)."""
 
 import json
 import os

@@ -103,7 +103,8 @@ def install(optimizer, devices: tuple[str, ...] = ("cuda",)) -> ChunkedCopyBack 
     flat32 = getattr(optimizer, "fp32_partitioned_groups_flat", None)
     reassign = getattr(optimizer, "_reassign_or_swap_out_partitioned_parameters", None)
     unflatten = getattr(optimizer, "_unflatten_partitioned_parameters", None)
-    if None in (flat16, flat32, reassign, unflatten):
+    post_step = getattr(optimizer, "_post_step", None)
+    if None in (flat16, flat32, reassign, unflatten, post_step):
         return None
 
     def chunked(i: int) -> bool:
@@ -112,9 +113,6 @@ def install(optimizer, devices: tuple[str, ...] = ("cuda",)) -> ChunkedCopyBack 
                 and a.device.type in devices and a.dtype != b.dtype and a.numel() == b.numel())
 
     if not any(chunked(i) for i in range(min(len(flat16), len(flat32)))):
-        return None
-    post_step = getattr(optimizer, "_post_step", None)
-    if post_step is None:
         return None
     copier = ChunkedCopyBack()
 

@@ -279,9 +279,8 @@ def resolve_copy_back(cfg: Config, device: str, precision: str) -> tuple[Choice,
     master weights on the host into 16-bit partitions on the GPU (optimizer on the CPU, parameters
     on the GPU); auto keeps DeepSpeed's own copy until chunked is measured on a GPU."""
     z = cfg.zero
-    qlora = cfg.lora.rank > 0 and cfg.lora.quantize != "none"     # runs on ZeRO-2
     why_not = [why for why, bad in (
-        ("a GPU", device != "cuda"), ("zero.stage 3", z.stage != 3 or qlora),
+        ("a GPU", device != "cuda"), ("zero.stage 3", z.stage != 3 or qlora.quantized(cfg)),
         ("zero.offload_optimizer: cpu", z.offload_optimizer != "cpu"),
         ("zero.offload_param: none", z.offload_param != "none"),
         ("bf16 or fp16", precision == "fp32"),
