@@ -186,10 +186,11 @@ def test_max_context_gpu_runs_within_10_percent():
     assert run["seq"] == report["confirmed_max_seq"]
     over = yaml.safe_load((REPO / "bench/configs/maxctx-1b.yaml").read_text())
     over.pop("bench_note")
-    # measured at 6d93e57, before zero.host_grad_buffer existed: DeepSpeed's full buffer
+    # measured at 6d93e57, before zero.host_grad_buffer and zero.copy_back existed: DeepSpeed's
+    # full buffer and its own copy of the updated weights
     over = merge(over, {"data": {"max_seq_length": run["seq"]}, "kernels": {"tiled_mlp": "on"},
                         "hardware": {"vram_limit_gib": report["vram_limit_gib"]},
-                        "zero": {"host_grad_buffer": "full"}})
+                        "zero": {"host_grad_buffer": "full", "copy_back": "deepspeed"}})
     cfg = from_dict(merge(to_dict(Config()), over))
     arch = architecture(load_model_config(cfg.model))
     h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),

@@ -291,3 +291,27 @@ def test_a_ratio_on_the_cpu_is_refused_rather_than_ignored():
     with pytest.raises(PlanError, match="device auto found no CUDA GPU here"):
         resolve(cfg, CPU, "llama")
     resolve(cfg, H200, "llama")                          # a GPU: fine
+
+
+def test_the_search_copies_back_as_copy_back_auto_would():
+    """Candidates with the optimizer on the CPU and the parameters on the GPU (ZeRO-3, fp32
+    states) copy the updated weights back through pinned chunks, as zero.copy_back auto resolves
+    there, and their host estimate has the chunks, not DeepSpeed's pageable copy of a sub-group;
+    every other placement keeps DeepSpeed's copy. zero.copy_back: deepspeed turns it off."""
+    chunks, pageable = "step: copy-back chunks (pinned)", "step: bf16 copy of a sub-group (pageable)"
+    kw = dict(gpu_mem_gib=141, host_mem_gib=256, gpu_name="NVIDIA H200", max_micro=1,
+              modes=("gpu",), states=("fp32", "bf16"))
+    cands = search(ARCH_8B, BASE_8B, **kw)
+    seen = set()
+    for c in cands:
+        s = c.setup
+        expect = ("chunked" if c.offload == "opt" and s.optimizer_states == "fp32" else "deepspeed")
+        assert s.copy_back == expect, (c.offload, s.optimizer_states)
+        host = {i.name for i in c.est.host_items()}
+        if expect == "chunked":
+            assert chunks in host and pageable not in host
+        seen.add((c.offload, s.copy_back))
+    assert ("opt", "chunked") in seen and ("opt+param", "deepspeed") in seen
+    off = search(ARCH_8B, BASE_8B, chunked_copy_back=False, **kw)
+    assert {c.setup.copy_back for c in off} == {"deepspeed"}
+    assert any(pageable in {i.name for i in c.est.host_items()} for c in off if c.offload == "opt")

@@ -25,7 +25,7 @@ def test_v100_resolves_fp16_sdpa():
     assert v == {"device": "cuda", "precision": "fp16", "attention": "sdpa",
                  "sdpa_backend": "efficient", "packed_attention": "per_document", "liger": True,
                  "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full",
-                 "quantize": "none", "copy_back": "deepspeed"}
+                 "quantize": "none", "copy_back": "chunked"}     # fp32 master on the CPU -> fp16
 
 
 def test_host_grad_buffer_auto_is_shared_only_where_exact():
@@ -343,4 +343,8 @@ def test_copy_back_chunked_runs_only_where_the_step_converts_host_master_into_gp
         with pytest.raises(PlanError, match=f"zero.copy_back: chunked .*needs.*{expected}"):
             resolve(cfg, H200, "llama")
     auto = resolve(from_dict(merge(merge(base, over), {"zero": {"copy_back": "auto"}})), H200, "llama")
-    assert auto["copy_back"].value == "deepspeed"                    # until measured on a GPU
+    assert auto["copy_back"].value == ("chunked" if expected == "chunked" else "deepspeed")
+    if expected != "chunked":
+        assert expected in auto["copy_back"].reason                  # says what chunked would need
+    on_cpu = resolve(from_dict(merge(merge(base, over), {"zero": {"copy_back": "auto"}})), CPU, "llama")
+    assert on_cpu["copy_back"].value == "deepspeed" and "a GPU" in on_cpu["copy_back"].reason

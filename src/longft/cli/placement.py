@@ -176,7 +176,7 @@ def cmd_placement(argv: list[str]) -> int:
         disk = shutil.disk_usage(a.nvme_path).free / GIB
     cands = search(arch, base, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem, gpu_name=gpu_name,
                    max_micro=a.max_micro, share_grads=cfg.zero.host_grad_buffer != "full", states=states, disk_gib=disk,
-                   tunings=allowed)
+                   tunings=allowed, chunked_copy_back=cfg.zero.copy_back != "deepspeed")
     model_name = a.model or cfg.model.name
     print(f"longft placement: {model_name}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
           f"host {a.host_mem:g} GiB")

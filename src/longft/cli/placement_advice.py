@@ -61,6 +61,7 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
     ask = Ask(gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem, gpus=a.gpus, gpu_name=gpu_name,
               states=states, tunings=allowed, disk_gib=disk, max_micro=a.max_micro,
               share_grads=cfg.zero.host_grad_buffer != "full",
+              chunked_copy_back=cfg.zero.copy_back != "deepspeed",
               tiled_auto=cfg.kernels.tiled_mlp == "auto", lora_dropout=cfg.lora.dropout,
               top=max(a.seq, int(arch.get("max_position_embeddings") or a.seq)))
     shown = _Overlays(a, model_over)

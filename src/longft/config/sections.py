@@ -240,7 +240,8 @@ class ZeroConfig:
     the updated fp32 master weights into the GPU's 16-bit partitions: `deepspeed` (its blocking
     copy_, through a pageable temporary of a whole sub-group) or `chunked` (three pinned 64 MiB
     chunks, copied while the next is converted: param_copy_back.py; the same bits). auto =
-    deepspeed until chunked is measured on a GPU."""
+    chunked wherever it applies (a GPU, ZeRO-3, optimizer on the CPU, parameters on the GPU, 16-bit
+    training with fp32 states), else deepspeed."""
 
 
 @dataclass(frozen=True)

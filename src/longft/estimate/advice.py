@@ -39,6 +39,7 @@ class Ask:
     disk_gib: float | None = None    # free space under --nvme-path; None: NVMe not searched
     max_micro: int = 64
     share_grads: bool = True
+    chunked_copy_back: bool = True   # zero.copy_back is not deepspeed (placement.copy_back_for)
     tiled_auto: bool = True          # kernels.tiled_mlp auto: on from TILED_MLP_FROM tokens
     lora_dropout: float = 0.0        # lora.dropout: auto never tiles LoRA with dropout
     top: int = 1 << 20               # the model's max_position_embeddings
@@ -46,7 +47,7 @@ class Ask:
     def search(self, arch: dict, base: Setup, **kw) -> list[Candidate]:
         args = dict(gpu_mem_gib=self.gpu_mem_gib, host_mem_gib=self.host_mem_gib,
                     gpu_name=self.gpu_name, max_micro=self.max_micro, share_grads=self.share_grads,
-                    states=self.states, disk_gib=self.disk_gib, tunings=self.tunings)
+                    chunked_copy_back=self.chunked_copy_back, states=self.states, disk_gib=self.disk_gib, tunings=self.tunings)
         return search(arch, base, **{**args, **kw})
 
 
@@ -75,7 +76,7 @@ def fits_somewhere(arch: dict, s: Setup, t: Tuning, ask: Ask, states: tuple[str,
     """Whether `s` trained as `t` fits at micro-batch 1 in any placement: each offload, state
     precision and checkpointing mode (gpu, or cpu_offload with the fewest checkpoints on the GPU
     that the host needs; no checkpointing needs more of both), nothing kept beyond that."""
-    from longft.estimate.placement import offload_ratios
+    from longft.estimate.placement import copy_back_for, offload_ratios
     from longft.hardware.policy import why_not_shared_grad_buffer as why_not
 
     tuned = t.apply(dataclasses.replace(s, micro_batch=1, grad_accum=1, gpu_layers=0,
@@ -89,6 +90,7 @@ def fits_somewhere(arch: dict, s: Setup, t: Tuning, ask: Ask, states: tuple[str,
             first = dataclasses.replace(tuned, offload_optimizer=opt, offload_param=param, nvme=nvme,
                                         optimizer_states=st, offload_ratio=1.0,
                                         host_grad_buffer="shared" if shared else "full")
+            first = dataclasses.replace(first, copy_back=copy_back_for(first, ask.chunked_copy_back))
             ratios = offload_ratios(arch, first) if off == "opt" and first.zero_stage == 3 else [1.0]
             for ratio in ratios:
                 for mode in ("gpu", "cpu_offload"):

@@ -23,6 +23,7 @@ from longft.estimate.speed import (  # noqa: F401 - re-exported: the plan's spee
     step_seconds,
     tokens_per_second,
 )
+from longft.hardware.policy import why_not_chunked_copy_back
 from longft.hardware.policy import why_not_shared_grad_buffer as why_not
 from longft.model.attention import fused_kernel
 
@@ -185,7 +186,7 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
            max_micro: int = 64, modes: tuple[str, ...] = MODES,
            share_grads: bool = True, states: tuple[str, ...] = ("fp32",),
            disk_gib: float | None = None, tunings: tuple[Tuning, ...] | None = None,
-           offloads: tuple[str, ...] | None = None) -> list[Candidate]:
+           offloads: tuple[str, ...] | None = None, chunked_copy_back: bool = True) -> list[Candidate]:
     """Every candidate (tuning x offload x offload_ratio x optimizer states x checkpointing x
     micro-batch 1..max_micro) that fits, and for each tuning x offload x ratio x states x mode that
     fits at no micro-batch its micro-batch-1 candidate (not fitting). Memory grows with the
@@ -195,7 +196,8 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
     `disk_gib`: free space under an NVMe path; None leaves NVMe out. `offloads`: a subset of
     OFFLOADS to try. Candidates have one micro-step per step: with the optimizer on the CPU under
     ZeRO-3 they share the host gradient buffer (zero.host_grad_buffer) unless `share_grads` is off
-    or the precision is fp16."""
+    or the precision is fp16, and copy the updated weights back through pinned chunks where
+    zero.copy_back auto would (`copy_back_for`) unless `chunked_copy_back` is off."""
     out = []
     for t in tunings or (Tuning.of(base),):
         tuned = t.apply(base)
@@ -209,6 +211,7 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
             for st in states:
                 first = dataclasses.replace(tuned, offload_optimizer=opt, offload_param=param,
                                             nvme=nvme, optimizer_states=st, offload_ratio=1.0)
+                first = dataclasses.replace(first, copy_back=copy_back_for(first, chunked_copy_back))
                 ratios = offload_ratios(arch, first) if off == "opt" and stage == 3 else [1.0]
                 for ratio in ratios:
                     for mode in modes:
@@ -219,6 +222,15 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
                             off, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, gpu_name=gpu_name,
                             max_micro=max_micro, disk_gib=disk_gib)
     return out
+
+
+def copy_back_for(s: Setup, chunked: bool = True) -> str:
+    """zero.copy_back as auto resolves it for `s` (chunked where its rule allows, when `chunked`;
+    hardware.policy.why_not_chunked_copy_back), so that a candidate's host estimate is the run's."""
+    off = "nvme" if s.nvme else s.offload_optimizer
+    ok = chunked and not why_not_chunked_copy_back(s.device, s.zero_stage, off, s.offload_param,
+                                                   s.precision, s.optimizer_states)
+    return "chunked" if ok else "deepspeed"
 
 
 def _scan(arch: dict, s: Setup, off: str, *, gpu_mem_gib: float, host_mem_gib: float,

@@ -277,27 +277,45 @@ def resolve_host_grad_buffer(cfg: Config, precision: str) -> tuple[Choice, list[
 def resolve_copy_back(cfg: Config, device: str, precision: str) -> tuple[Choice, list[str]]:
     """zero.copy_back: chunked (engine/param_copy_back.py) only where the ZeRO-3 step converts fp32
     master weights on the host into 16-bit partitions on the GPU (optimizer on the CPU, parameters
-    on the GPU); auto keeps DeepSpeed's own copy until chunked is measured on a GPU."""
+    on the GPU); auto = chunked there (measured on the H200: BENCHMARKS.md), DeepSpeed's own copy
+    elsewhere."""
     z = cfg.zero
-    why_not = [why for why, bad in (
-        ("a GPU", device != "cuda"), ("zero.stage 3", z.stage != 3 or qlora.quantized(cfg)),
-        ("zero.offload_optimizer: cpu", z.offload_optimizer != "cpu"),
-        ("zero.offload_param: none", z.offload_param != "none"),
-        ("bf16 or fp16", precision == "fp32"),
-        ("zero.optimizer_states: fp32", z.optimizer_states != "fp32")) if bad]
+    stage = 2 if qlora.quantized(cfg) else z.stage
+    why_not = why_not_chunked_copy_back(device, stage, z.offload_optimizer, z.offload_param,
+                                        precision, z.optimizer_states)
     if z.copy_back == "chunked":
         if why_not:
             return Choice("chunked", "set in params"), [
                 f"zero.copy_back: chunked converts fp32 master weights on the host into 16-bit "
                 f"partitions on a GPU, and needs {', '.join(why_not)} (QLoRA runs on ZeRO-2). Set "
                 f"zero.copy_back: auto"]
-        return Choice("chunked", "set in params: the step's fp32 master weights go to the GPU "
-                      "through pinned chunks (engine/param_copy_back.py)"), []
+        return Choice("chunked", "set in params: " + CHUNKED_WHY), []
     if z.copy_back == "deepspeed":
         return Choice("deepspeed", "set in params"), []
-    return Choice("deepspeed", "auto: DeepSpeed's own copy" + (
-        " (zero.copy_back: chunked is not yet measured on a GPU)" if not why_not
-        else ": no fp32 master on the host to convert into GPU partitions here")), []
+    if not why_not:
+        return Choice("chunked", "auto: " + CHUNKED_WHY), []
+    return Choice("deepspeed", "auto: DeepSpeed's own copy (no fp32 master on the host to convert "
+                  f"into GPU partitions here: chunked needs {', '.join(why_not)})"), []
+
+
+CHUNKED_WHY = ("the step's fp32 master weights go to the GPU through pinned chunks "
+               "(engine/param_copy_back.py)")
+
+
+def why_not_chunked_copy_back(device: str, stage: int, offload_optimizer: bool | str,
+                              offload_param: bool | str, precision: str,
+                              optimizer_states: str) -> list[str]:
+    """What zero.copy_back: chunked needs that this setup lacks ([] = it applies): the one rule
+    that resolve and the planner apply. offload_optimizer / offload_param: "none" | "cpu" | "nvme"
+    (or a bool: cpu or not); stage: the ZeRO stage that runs (QLoRA's is 2)."""
+    def name(v):
+        return ("cpu" if v else "none") if isinstance(v, bool) else v
+    return [why for why, bad in (
+        ("a GPU", device != "cuda"), ("zero.stage 3", stage != 3),
+        ("zero.offload_optimizer: cpu", name(offload_optimizer) != "cpu"),
+        ("zero.offload_param: none", name(offload_param) != "none"),
+        ("bf16 or fp16", precision == "fp32"),
+        ("zero.optimizer_states: fp32", optimizer_states != "fp32")) if bad]
 
 
 def check_optimizer_states(cfg: Config, precision: str) -> list[str]:

@@ -66,7 +66,7 @@ CURRENT = (
     Current("reference C's workload on 128 GiB of host RAM", "h200-8b-128k-ratio", "C"),
     Current("reference C's workload on a 48 GiB card with 118 GiB of RAM, emulated",
             "h200-8b-128k-cap48", "C"),
-    Current("the same, packed documents", "h200-8b-128k-ratio-packed"),
+    Current("the same, packed documents", "h200-8b-128k-ratio-packed-chunked"),
     Current("LoRA rank 8, no offload", "q3-8b-128k-lora8"),
     Current("a 24 GiB card with 60 GiB of RAM, emulated: QLoRA, packed documents",
             "h200-8b-qlora-32k-cap24"),
@@ -133,6 +133,8 @@ def _setup(doc: dict) -> str:
         parts.append(f"keep_attention {ck['keep_attention']}")
     if p["data"].get("pack"):
         parts.append(f"packed ({_packed_kernel(doc)})")
+    if _resolved(doc, "copy_back") == "chunked":
+        parts.append("weights copied back in pinned chunks")
     return ", ".join(parts)
 
 
@@ -141,11 +143,15 @@ def _gpu(doc: dict) -> str:
     return name.removeprefix("NVIDIA ")
 
 
+def _resolved(doc: dict, key: str) -> Any:
+    """What the run's plan resolved `key` to (None: not in its plan)."""
+    got = ((doc.get("plan") or {}).get("resolved") or {}).get(key)
+    return got.get("value") if isinstance(got, dict) else got
+
+
 def _packed_kernel(doc: dict) -> str:
     """The packed-attention kernel the run used: the resolved one in its plan, else its param."""
-    resolved = ((doc.get("plan") or {}).get("resolved") or {}).get("packed_attention")
-    got = resolved.get("value") if isinstance(resolved, dict) else resolved
-    return str(got or doc["params"]["kernels"].get("packed_attention"))
+    return str(_resolved(doc, "packed_attention") or doc["params"]["kernels"].get("packed_attention"))
 
 
 def _num(x: Any) -> Optional[float]:
