@@ -2,7 +2,8 @@
 the first two steps, so the step-3 loss was bit-identical at lr 1e-3 and 3e-4, and the log printed
 the next step's lr. Through the real stages on CPU: the logged lr is the one each step applied, and
 the loss after one step already depends on optim.lr. One of the runs also profiles its step after
-the warm-up (output.profile_steps, issue 33): the split times DeepSpeed's CPU Adam update."""
+the warm-up (output.profile_steps, issue 33): the split times DeepSpeed's CPU Adam update, its
+gradient clipping and its copy of the updated weights."""
 
 import json
 
@@ -47,5 +48,8 @@ def test_every_step_applies_a_nonzero_lr_and_the_log_shows_it(tmp_path):
     assert split["steps"] == [2] and split["optimizer"] == "DeepSpeedCPUAdam" and split["gpu"] is False
     assert split["total"]["update"]["time_s"] > 0
     assert 0 < split["total"]["update"]["time_s"] <= split["total"]["optimizer"]["time_s"]
+    # DeepSpeed ZeRO-3's own clipping pass and copy of the updated weights, timed in ranges of theirs
+    for p in ("clip", "copy_back"):
+        assert 0 < split["total"][p]["time_s"] <= split["total"]["optimizer"]["time_s"], p
     assert (prof / "rank0.trace.json.gz").stat().st_size > 0
     assert not (tmp_path / "hi" / "run" / "profile").exists()

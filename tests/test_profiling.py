@@ -38,7 +38,8 @@ CPU = "user_annotation"
 EVENTS = [
     _x("longft.step", CPU, 0, 1000), _x("longft.forward", CPU, 100, 300),
     _x("longft.backward", CPU, 400, 400), _x("longft.optimizer", CPU, 850, 100),
-    _x("longft.update", CPU, 870, 50),
+    _x("longft.update", CPU, 870, 50), _x("longft.clip", CPU, 855, 10),
+    _x("longft.copy_back", CPU, 925, 20),
     _x("longft.step", CPU, 2000, 500), _x("longft.forward", CPU, 2000, 100),
     _x("longft.forward", CPU, 2200, 50),
     _x("aten::mm", "cpu_op", 120, 100),
@@ -69,18 +70,23 @@ def test_split_by_hand_with_gpu_events():
     assert one["optimizer"]["other_copy_s"] == pytest.approx(10 * US)
     assert one["optimizer"]["gpu_idle_s"] == pytest.approx(90 * US)
     assert one["update"]["time_s"] == pytest.approx(50 * US) and one["update"]["gpu_idle_s"] == pytest.approx(40 * US)
+    # the ranges nested in the optimizer: clip 855..865, copy back 925..945 (no GPU work in either)
+    assert one["clip"]["time_s"] == pytest.approx(10 * US) and one["clip"]["gpu_idle_s"] == pytest.approx(10 * US)
+    assert one["copy_back"]["time_s"] == pytest.approx(20 * US)
     assert one["wall"]["compute_s"] == pytest.approx(350 * US)
     assert one["wall"]["gpu_idle_s"] == pytest.approx((1000 - 490) * US)
     assert one["other_s"] == pytest.approx(200 * US)
     two = s["per_step"][1]
     assert two["forward"]["time_s"] == pytest.approx(150 * US) and two["forward"]["compute_s"] == 0
     assert two["backward"]["time_s"] == 0 and two["other_s"] == pytest.approx(350 * US)
+    assert two["clip"]["time_s"] == 0 and two["copy_back"]["time_s"] == 0
     t = s["total"]
     assert t["forward"]["time_s"] == pytest.approx(450 * US)
     assert t["forward"]["gpu_idle_s"] == pytest.approx(250 * US)
     assert t["wall"]["time_s"] == pytest.approx(1500 * US) and t["other_s"] == pytest.approx(550 * US)
     text = table(s, "DeepSpeedCPUAdam")
     assert "update (DeepSpeedCPUAdam)" in text and "HtoD" in text and "GPU idle" in text
+    assert "clip (gradients)" in text and "copy back (weights)" in text
     assert "step(s) 7..8" in text
 
 
@@ -91,6 +97,8 @@ def test_cpu_only_split_has_no_gpu_fields():
     assert s["per_step"][0]["forward"] == {"time_s": pytest.approx(300 * US)}
     assert set(s["total"]["update"]) == {"time_s"}
     assert "HtoD" not in table(s, "AdamW")
+    no_ranges = [e for e in cpu_only if e["name"] not in ("longft.clip", "longft.copy_back")]
+    assert "clip" not in table(split(no_ranges, [7, 8]), "AdamW")    # rows only for ranges present
 
 
 def test_split_refuses_a_trace_whose_steps_do_not_match():
@@ -265,3 +273,60 @@ def test_on_cuda_the_split_has_compute_and_host_device_copies(tmp_path):
         assert v["copy_overlap_s"] <= min(v["compute_s"], v["htod_s"] + v["dtoh_s"] + v["other_copy_s"]), phase
     assert t["update"]["time_s"] > 0
     assert (prof / "rank0.trace.json.gz").stat().st_size > 0
+
+
+class ZeroLike:
+    """What engine/profiling.py times of DeepSpeed's ZeRO optimizer: its step clips the gradients,
+    runs the inner optimizer, then copies the weights back (one sub-group); the copy back is an
+    attribute of the instance, as engine/param_copy_back.py installs it."""
+
+    def __init__(self, params):
+        import torch
+
+        self.optimizer = torch.optim.AdamW(params, lr=1e-3)
+        self.calls = []
+        self._reassign_or_swap_out_partitioned_parameters = self._copy_back
+
+    def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        self.calls.append("clip")
+
+    def _copy_back(self, sub_group_id):
+        self.calls.append("copy_back")
+
+    def step(self):
+        self.unscale_and_clip_grads(0, 1.0)
+        self.optimizer.step()
+        self._reassign_or_swap_out_partitioned_parameters(0)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+
+def test_zero_clip_and_copy_back_get_ranges_of_their_own_in_profiled_steps(tmp_path, capsys):
+    import time
+
+    import torch
+
+    from longft.engine import train_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+    engine = FakeEngine(model, accum=1)
+    zero = engine.optimizer = ZeroLike(model.parameters())
+    own = zero._reassign_or_swap_out_partitioned_parameters
+    batches = iter({"input_ids": x, "labels": x, "position_ids": torch.arange(16)[None]}
+                   for x in [torch.randint(1, 64, (1, 16)) for _ in range(6)])
+    prof = profiling.StepProfiler.of(_cfg(2, warmup=1, iterations=4), tmp_path, rank=0, start=0,
+                                     cuda=False, engine=engine)
+    assert prof.optimizer is zero.optimizer and prof.zero is zero
+    for step in range(1, 5):
+        with prof.around(step):
+            train_step.step(engine, batches, accum=1, pad_id=-1, now=time.perf_counter)
+    assert zero.calls == ["clip", "copy_back"] * 4            # the wrapped methods still ran
+    assert "unscale_and_clip_grads" not in vars(zero)          # unwrapped: the class's again
+    assert zero._reassign_or_swap_out_partitioned_parameters == own   # the instance's own, back
+    s = json.loads((tmp_path / "profile" / "rank0.split.json").read_text())
+    for p in ("update", "clip", "copy_back"):
+        assert 0 < s["total"][p]["time_s"] <= s["total"]["optimizer"]["time_s"], p
+    out = capsys.readouterr().out
+    assert "clip (gradients)" in out and "copy back (weights)" in out

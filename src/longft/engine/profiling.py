@@ -2,6 +2,9 @@
 (train.warmup_iterations + 1 .. + N) on every rank, written to the run directory:
   profile/rank{r}.trace.json.gz  the Chrome trace (https://ui.perfetto.dev opens it)
   profile/rank{r}.split.json     the time split per profiled step and summed (measure/time_split.py)
+While the steps are profiled, the inner optimizer's step and, where DeepSpeed's ZeRO optimizer has
+them, its gradient clipping and its copy of the updated weights run inside ranges of their own
+(`longft.update`, `longft.clip`, `longft.copy_back`); the wrappers are removed after the last.
 Rank 0 prints the summed split as a table. The profiled steps train as every other step; their
 "iter" records carry "profiled": true (the metrics stage leaves them out of its speed numbers).
 """
@@ -37,9 +40,9 @@ class StepProfiler:
     """torch.profiler over `steps` (a range of step numbers; empty: off). The loop runs each step
     inside `around(step)`; the profiler starts with the first and is exported after the last."""
 
-    def __init__(self, run_dir: Path, rank: int, steps: range, cuda: bool, optimizer=None):
+    def __init__(self, run_dir: Path, rank: int, steps: range, cuda: bool, optimizer=None, zero=None):
         self.dir, self.rank, self.steps, self.cuda = Path(run_dir) / "profile", rank, steps, cuda
-        self.optimizer = optimizer
+        self.optimizer, self.zero = optimizer, zero
         self._prof = None
         self._restore = None
 
@@ -53,7 +56,8 @@ class StepProfiler:
         if todo:  # an earlier run's files must not pass for this one's
             for old in (Path(run_dir) / "profile").glob(f"rank{rank}.*"):
                 old.unlink()
-        return cls(run_dir, rank, todo, cuda, update_optimizer(engine) if todo else None)
+        return cls(run_dir, rank, todo, cuda, update_optimizer(engine) if todo else None,
+                   getattr(engine, "optimizer", None) if todo else None)
 
     def marks(self, step: int) -> dict:
         """What the step's "iter" record carries: {"profiled": True} for a profiled step."""
@@ -79,8 +83,15 @@ class StepProfiler:
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._prof = profile(activities=acts)
-        if self.optimizer is not None:
-            self._restore = _time_update(self.optimizer)
+        undo = [_time_method(self.optimizer, "step", "update")] if self.optimizer is not None else []
+        if self.zero is not None and self.zero is not self.optimizer:
+            undo += [_time_method(self.zero, attr, phase) for attr, phase in ZERO_METHODS
+                     if callable(getattr(self.zero, attr, None))]
+
+        def restore():
+            for u in reversed(undo):
+                u()
+        self._restore = restore
         self._prof.start()
 
     def close(self) -> None:
@@ -133,23 +144,30 @@ def _say_fewer(cfg: Config, start: int, todo: range) -> None:
               f"{it} steps{'' if start <= w else f' and resumed after step {start}'})", flush=True)
 
 
-def _time_update(optimizer):
-    """Wraps optimizer.step in a `longft.update` range; returns what undoes it."""
+ZERO_METHODS = (("unscale_and_clip_grads", "clip"),
+                ("_reassign_or_swap_out_partitioned_parameters", "copy_back"))
+"""DeepSpeed ZeRO optimizer methods timed in profiled steps, and their phase (measure/time_split.py);
+a method the optimizer lacks (ZeRO-2 has no copy back of its own) is left out."""
+
+
+def _time_method(obj, attr: str, phase: str):
+    """Wraps obj.<attr> in the `longft.<phase>` range; returns what undoes it (an attribute of the
+    instance itself, such as engine/param_copy_back.py's, is put back; else the class's shows)."""
     from torch.profiler import record_function
 
-    had, inner = "step" in vars(optimizer), optimizer.step
+    had, inner = attr in vars(obj), getattr(obj, attr)
 
-    def step(*args, **kwargs):
-        with record_function(time_split.RANGE["update"]):
+    def timed(*args, **kwargs):
+        with record_function(time_split.RANGE[phase]):
             return inner(*args, **kwargs)
 
-    optimizer.step = step
+    setattr(obj, attr, timed)
 
     def restore():
         if had:
-            optimizer.step = inner
+            setattr(obj, attr, inner)
         else:
-            del optimizer.step
+            delattr(obj, attr)
     return restore
 
 

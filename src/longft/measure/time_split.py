@@ -3,8 +3,11 @@ computed from torch.profiler's Chrome trace events (engine/profiling.py records 
 
 Phases are the CPU ranges engine/train_step.py opens: `longft.forward`, `longft.backward`,
 `longft.optimizer` (the final engine.step()) and, inside it, the inner optimizer's own update
-`longft.update` (CPU Adam with zero.offload_optimizer cpu); each profiled step lies in a
-`longft.step` range. On a CUDA run every phase also gets its GPU side, from the kernel, memcpy and
+`longft.update` (CPU Adam with zero.offload_optimizer cpu) and, where DeepSpeed's ZeRO optimizer has
+them (engine/profiling.py times its methods), `longft.clip` (its gradient unscale-and-clip pass,
+over the host's fp32 gradients with offload) and `longft.copy_back` (the updated master weights
+into the 16-bit partitions: DeepSpeed's own copy or zero.copy_back chunked); each profiled step
+lies in a `longft.step` range. On a CUDA run every phase also gets its GPU side, from the kernel, memcpy and
 memset events inside the phase's CPU range (the step clock synchronizes the GPU at each phase's
 end, so a phase's GPU work finishes inside its range):
   compute_s       union of kernel intervals (collectives' NCCL kernels excepted)
@@ -22,7 +25,9 @@ from __future__ import annotations
 from longft.measure.intervals import Interval, intersect, length, union
 
 STEP = "longft.step"
-PHASES = ("forward", "backward", "optimizer", "update")
+PHASES = ("forward", "backward", "optimizer", "update", "clip", "copy_back")
+TOP = PHASES[:3]
+"""The phases that do not nest: the rest of a step is `other_s`."""
 RANGE = {p: f"longft.{p}" for p in PHASES}
 """The record_function name of each phase."""
 GPU_KINDS = ("compute", "comm", "htod", "dtoh", "other_copy")
@@ -75,7 +80,7 @@ def split(events: list[dict], steps: list[int]) -> dict:
         rec = {"step": n, "wall": phase_split([(a, b)], gpu)}
         for p in PHASES:
             rec[p] = phase_split([i for name, i in inside if name == RANGE[p]], gpu)
-        rec["other_s"] = round(rec["wall"]["time_s"] - sum(rec[p]["time_s"] for p in PHASES[:3]), 6)
+        rec["other_s"] = round(rec["wall"]["time_s"] - sum(rec[p]["time_s"] for p in TOP), 6)
         per_step.append(rec)
     return {"steps": list(steps), "gpu": gpu is not None, "per_step": per_step,
             "total": _total(per_step)}
@@ -100,8 +105,11 @@ def table(s: dict, optimizer: str) -> str:
     cols = COLUMNS if s["gpu"] else COLUMNS[:1]
     t, first, last = s["total"], s["steps"][0], s["steps"][-1]
     rows = [("step (wall)", t["wall"]), ("forward", t["forward"]), ("backward", t["backward"]),
-            ("optimizer", t["optimizer"]), (f"  update ({optimizer})", t["update"]),
-            ("other", {"time_s": t["other_s"]})]
+            ("optimizer", t["optimizer"]), (f"  update ({optimizer})", t["update"])]
+    rows += [(name, t[p]) for p, name in (("clip", "  clip (gradients)"),
+                                          ("copy_back", "  copy back (weights)"))
+             if t.get(p, {}).get("time_s")]             # only where the trace has the range
+    rows.append(("other", {"time_s": t["other_s"]}))
     w, cw = max(len(r[0]) for r in rows), [max(len(c), 8) for _, c in cols]
     head = f"{'':{w}}" + "".join(f"  {c:>{n}}" for (_, c), n in zip(cols, cw))
     lines = [f"time split of profiled step(s) {first}..{last}, summed, seconds:", head]
