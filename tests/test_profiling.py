@@ -272,6 +272,12 @@ def test_on_cuda_the_split_has_compute_and_host_device_copies(tmp_path):
         assert 0 <= v["gpu_idle_s"] <= v["time_s"], phase
         assert v["copy_overlap_s"] <= min(v["compute_s"], v["htod_s"] + v["dtoh_s"] + v["other_copy_s"]), phase
     assert t["update"]["time_s"] > 0
+    # DeepSpeed's clipping pass and the copy-back (zero.copy_back auto: chunked here) in their own
+    # ranges; the chunks' copies land inside the optimizer phase (the step waits for them)
+    plan = json.loads((tmp_path / "artifacts" / "plan.json").read_text())
+    assert plan["resolved"]["copy_back"]["value"] == "chunked"
+    assert t["clip"]["time_s"] > 0 and t["copy_back"]["time_s"] > 0
+    assert t["optimizer"]["htod_s"] > 0
     assert (prof / "rank0.trace.json.gz").stat().st_size > 0
 
 
