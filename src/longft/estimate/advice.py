@@ -47,7 +47,8 @@ class Ask:
     def search(self, arch: dict, base: Setup, **kw) -> list[Candidate]:
         args = dict(gpu_mem_gib=self.gpu_mem_gib, host_mem_gib=self.host_mem_gib,
                     gpu_name=self.gpu_name, max_micro=self.max_micro, share_grads=self.share_grads,
-                    chunked_copy_back=self.chunked_copy_back, states=self.states, disk_gib=self.disk_gib, tunings=self.tunings)
+                    chunked_copy_back=self.chunked_copy_back, states=self.states,
+                    disk_gib=self.disk_gib, tunings=self.tunings)
         return search(arch, base, **{**args, **kw})
 
 
