@@ -315,3 +315,37 @@ def test_the_search_copies_back_as_copy_back_auto_would():
     off = search(ARCH_8B, BASE_8B, chunked_copy_back=False, **kw)
     assert {c.setup.copy_back for c in off} == {"deepspeed"}
     assert any(pageable in {i.name for i in c.est.host_items()} for c in off if c.offload == "opt")
+
+
+@pytest.mark.parametrize("over", [
+    {}, {"zero": {"offload_param": "cpu"}}, {"zero": {"offload_optimizer": "none"}},
+    {"zero": {"stage": 2}}, {"zero": {"optimizer_states": "bf16"}}, {"precision": "fp32"},
+    {"precision": "fp16"}, {"lora": {"rank": 8, "quantize": "nf4"}}, {"lora": {"rank": 8}},
+    {"zero": {"offload_ratio": 0.5}}, {"hardware": {"device": "cpu"}},
+    {"zero": {"offload_optimizer": "nvme", "nvme_path": "/tmp"}},
+])
+def test_the_search_and_the_run_resolve_copy_back_alike(over):
+    """placement.copy_back_for (what a candidate is estimated with) and hardware.policy's
+    resolve_copy_back (what the run does) agree, from the same params."""
+    from longft.config.params import merge
+    from longft.estimate.estimator import setup_from_config
+    from longft.estimate.placement import copy_back_for
+
+    cfg = from_dict(merge({"precision": "bf16", "train": {"global_batch_size": 1},
+                           "zero": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "none"}},
+                          over))
+    hw = CPU if cfg.hardware.device == "cpu" else H200
+    r = resolve(cfg, hw, "llama")
+    assert copy_back_for(setup_from_config(cfg, r)) == r["copy_back"].value, r["copy_back"].reason
+
+
+def test_the_overlay_says_auto_unless_the_params_chose_deepspeed():
+    """A candidate's overlay leaves zero.copy_back to auto where auto gives the copy it was
+    estimated with (a chunked in the base params would be refused on an opt+param candidate) and
+    keeps deepspeed where the params turned chunked off."""
+    kw = dict(gpu_mem_gib=141, host_mem_gib=256, gpu_name="NVIDIA H200", max_micro=1, modes=("gpu",))
+    for c in search(ARCH_8B, BASE_8B, **kw):
+        assert overlay(c, 1)["zero"]["copy_back"] == "auto", c.offload
+    off = [c for c in search(ARCH_8B, BASE_8B, chunked_copy_back=False, **kw)]
+    got = {c.offload: overlay(c, 1)["zero"]["copy_back"] for c in off}
+    assert got["opt"] == "deepspeed" and got["opt+param"] == "auto" and got["none"] == "auto"

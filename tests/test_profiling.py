@@ -215,6 +215,23 @@ def test_a_run_stopped_inside_the_profiled_steps_unwraps_the_optimizer(tmp_path)
     assert "step" not in vars(opt) and not (tmp_path / "profile").exists()
 
 
+def test_a_run_stopped_inside_the_profiled_steps_unwraps_the_zero_optimizer_too(tmp_path):
+    import torch
+
+    zero = ZeroLike([torch.nn.Parameter(torch.zeros(2))])
+    own = zero._reassign_or_swap_out_partitioned_parameters
+    prof = profiling.StepProfiler(tmp_path, 0, range(1, 3), cuda=False, optimizer=zero.optimizer,
+                                  zero=zero)
+    with pytest.raises(RuntimeError):
+        with prof.around(1):
+            raise RuntimeError("stopped")
+    assert "unscale_and_clip_grads" in vars(zero)
+    assert zero._reassign_or_swap_out_partitioned_parameters is not own
+    prof.close()
+    assert "unscale_and_clip_grads" not in vars(zero) and "step" not in vars(zero.optimizer)
+    assert zero._reassign_or_swap_out_partitioned_parameters is own
+
+
 def test_an_earlier_runs_files_go_and_a_failed_split_does_not_stop_training(tmp_path, capsys,
                                                                            monkeypatch):
     import torch

@@ -356,7 +356,7 @@ def overlay(c: Candidate, gpus: int, model: dict | None = None,
     """The params overlay for a candidate (merge onto the base params). It sets what the plan
     chose, and leaves the rest of the base params alone: `model` is written only when given (the
     plan was for another model than the base params' one), data only by its length; lora.rank,
-    lora.quantize and optim.name always, so that the merge trains what was planned."""
+    lora.quantize, optim.name and zero.copy_back always, so that the merge trains what was planned."""
     s = c.setup
     opt, param = OFFLOADS[c.offload]
     out = {"model": model} if model else {}
@@ -373,6 +373,9 @@ def overlay(c: Candidate, gpus: int, model: dict | None = None,
                  "offload_param": "cpu" if param else "none",
                  "offload_ratio": s.offload_ratio, "optimizer_states": s.optimizer_states,
                  "host_grad_buffer": s.host_grad_buffer,
+                 # auto where it resolves to the candidate's copy (a chunked in the base params
+                 # would be refused where it cannot apply); deepspeed where the params chose it
+                 "copy_back": "auto" if s.copy_back == copy_back_for(s) else s.copy_back,
                  **({"nvme_path": nvme_path} if s.nvme else {"nvme_path": None})},
         "lora": {"rank": s.lora_rank, "quantize": s.quantize if s.lora_rank else "none"},
         "optim": {"name": s.optimizer},

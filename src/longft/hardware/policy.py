@@ -287,8 +287,9 @@ def resolve_copy_back(cfg: Config, device: str, precision: str) -> tuple[Choice,
         if why_not:
             return Choice("chunked", "set in params"), [
                 f"zero.copy_back: chunked converts fp32 master weights on the host into 16-bit "
-                f"partitions on a GPU, and needs {', '.join(why_not)} (QLoRA runs on ZeRO-2). Set "
-                f"zero.copy_back: auto"]
+                f"partitions on a GPU, and needs {', '.join(why_not)}"
+                + (" (QLoRA runs on ZeRO-2)" if qlora.quantized(cfg) else "")
+                + ". Set zero.copy_back: auto"]
         return Choice("chunked", "set in params: " + CHUNKED_WHY), []
     if z.copy_back == "deepspeed":
         return Choice("deepspeed", "set in params"), []

@@ -8,8 +8,9 @@ them (engine/profiling.py times its methods), `longft.clip` (its gradient unscal
 over the host's fp32 gradients with offload) and `longft.copy_back` (the updated master weights
 into the 16-bit partitions: DeepSpeed's own copy or zero.copy_back chunked); each profiled step
 lies in a `longft.step` range. On a CUDA run every phase also gets its GPU side, from the kernel, memcpy and
-memset events inside the phase's CPU range (the step clock synchronizes the GPU at each phase's
-end, so a phase's GPU work finishes inside its range):
+memset events inside the phase's CPU range (the step clock synchronizes the GPU at the end of
+forward, backward and optimizer, so their GPU work finishes inside their ranges; the nested ranges
+count what ran during them: the chunked copy-back's copies mostly land after `longft.copy_back`):
   compute_s       union of kernel intervals (collectives' NCCL kernels excepted)
   comm_s          union of NCCL kernels (several GPUs: includes the time spent waiting for peers)
   htod_s, dtoh_s  union of host-to-device / device-to-host copies
