@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -287,12 +288,22 @@ def test_ctrl_c_during_the_final_evaluation_ends_it_skips_the_export_and_exits_1
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    # the last step is logged: the final evaluation (18 held-out rows) runs now
-    assert _wait_for(lambda: (work / "run" / "rank0.jsonl").is_file() and 6 in losses(work),
+    lines: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    # the final evaluation has started (its notice): a Ctrl-C before it, right after step 6, would
+    # stop the run before the evaluation, which is another test's case
+    assert _wait_for(lambda: any("longft: evaluating" in x and "after step 6" in x for x in lines),
                      timeout=600, proc=proc)
     assert proc.poll() is None, "the run ended before it could be stopped"
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-    out, _ = proc.communicate(timeout=600)
+    proc.wait(timeout=600)
+    reader.join(timeout=60)
+    out = "".join(lines)
     assert proc.returncode == 130, out
     assert "longft: evaluation after step 6 stopped" in out and "eval step 6" not in out
     assert ("stopped by SIGINT after step 6; the final evaluation, the final checkpoint and the "

@@ -117,6 +117,9 @@ class Evaluator:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
+        if self.rank == 0:  # a notice: over many held-out rows this takes a while
+            print(f"longft: evaluating {len(self.data)} held-out row(s) after step {step} ...",
+                  flush=True)
         device = engine.device
         lm = _causal_lm(engine.module)
         spans = _span_index(self.samples)
