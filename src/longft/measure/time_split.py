@@ -7,8 +7,8 @@ Phases are the CPU ranges engine/train_step.py opens: `longft.forward`, `longft.
 them (engine/profiling.py times its methods), `longft.clip` (its gradient unscale-and-clip pass,
 over the host's fp32 gradients with offload) and `longft.copy_back` (the updated master weights
 into the 16-bit partitions: DeepSpeed's own copy or zero.copy_back chunked); each profiled step
-lies in a `longft.step` range. On a CUDA run every phase also gets its GPU side, from the kernel, memcpy and
-memset events inside the phase's CPU range (the step clock synchronizes the GPU at the end of
+lies in a `longft.step` range. On a CUDA run every phase also gets its GPU side, from the kernel,
+memcpy and memset events inside the phase's CPU range (the step clock synchronizes the GPU at the end of
 forward, backward and optimizer, so their GPU work finishes inside their ranges; the nested ranges
 count what ran during them: the chunked copy-back's copies mostly land after `longft.copy_back`):
   compute_s       union of kernel intervals (collectives' NCCL kernels excepted)

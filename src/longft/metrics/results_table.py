@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from longft.atomic import write_text
+from longft.config.plan import Resolved
 from longft.errors import UserError
 
 MARKERS = ("<!-- results-table -->", "<!-- /results-table -->")
@@ -133,7 +134,7 @@ def _setup(doc: dict) -> str:
         parts.append(f"keep_attention {ck['keep_attention']}")
     if p["data"].get("pack"):
         parts.append(f"packed ({_packed_kernel(doc)})")
-    if _resolved(doc, "copy_back") == "chunked":
+    if doc.get("plan") and Resolved.from_dict(doc["plan"]["resolved"]).copy_back.value == "chunked":
         parts.append("weights copied back in pinned chunks")
     return ", ".join(parts)
 
@@ -143,15 +144,11 @@ def _gpu(doc: dict) -> str:
     return name.removeprefix("NVIDIA ")
 
 
-def _resolved(doc: dict, key: str) -> Any:
-    """What the run's plan resolved `key` to (None: not in its plan)."""
-    got = ((doc.get("plan") or {}).get("resolved") or {}).get(key)
-    return got.get("value") if isinstance(got, dict) else got
-
-
 def _packed_kernel(doc: dict) -> str:
     """The packed-attention kernel the run used: the resolved one in its plan, else its param."""
-    return str(_resolved(doc, "packed_attention") or doc["params"]["kernels"].get("packed_attention"))
+    resolved = ((doc.get("plan") or {}).get("resolved") or {}).get("packed_attention")
+    got = resolved.get("value") if isinstance(resolved, dict) else resolved
+    return str(got or doc["params"]["kernels"].get("packed_attention"))
 
 
 def _num(x: Any) -> Optional[float]:
