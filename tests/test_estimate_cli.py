@@ -182,6 +182,22 @@ def test_max_context_command(tmp_path, on, capsys):
     assert main("max-context", ["--params", str(p), "--gpu-mem", "2"]) == 1
 
 
+def test_max_context_says_whether_the_search_cap_is_also_the_memory_limit(tmp_path, on, capsys):
+    """A --max-seq at exactly the longest length that fits is not "memory is not the limit"."""
+    on(H200)
+    p = write_params(tmp_path, train={"micro_batch_size": 1, "global_batch_size": 1},
+                     zero={"offload_optimizer": "cpu", "offload_param": "cpu"})
+    args = ["--params", str(p), "--gpu-mem", "12", "--host-mem", "120"]
+    assert main("max-context", args) == 0
+    limit = int(capsys.readouterr().out.split("longest context that fits: ")[1].split()[0].replace(",", ""))
+    assert main("max-context", args + ["--max-seq", str(limit)]) == 0
+    out = capsys.readouterr().out
+    assert "the upper end of the search and the limit of memory too" in out
+    assert "memory is not the limit" not in out
+    assert main("max-context", args + ["--max-seq", str(limit - 8192)]) == 0
+    assert "memory is not the limit (--max-seq to go on)" in capsys.readouterr().out
+
+
 def test_cli_dispatches_here(on, tmp_path, capsys):
     """The `longft` console script (another module) hands these commands to main()."""
     cli = pytest.importorskip("longft.cli.main")

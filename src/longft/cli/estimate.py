@@ -156,10 +156,13 @@ def cmd_max_context(argv: list[str]) -> int:
         e = estimate(arch, dataclasses.replace(base, seq_len=best_seq))
         print(f"longest context that fits: {best_seq:,} tokens "
               f"(VRAM {e.gpu_nvml / GIB:.1f} GiB NVML-level, host {e.host_rss / GIB:.1f} GiB)")
+        nxt = estimate(arch, dataclasses.replace(base, seq_len=best_seq + SEQ_STEP))
+        need = (f"{best_seq + SEQ_STEP:,} would need VRAM {nxt.gpu_nvml / GIB:.1f} GiB, "
+                f"host {nxt.host_rss / GIB:.1f} GiB")
         if best_seq + SEQ_STEP <= top:
-            nxt = estimate(arch, dataclasses.replace(base, seq_len=best_seq + SEQ_STEP))
-            print(f"  {best_seq + SEQ_STEP:,} would need VRAM {nxt.gpu_nvml / GIB:.1f} GiB, "
-                  f"host {nxt.host_rss / GIB:.1f} GiB")
+            print(f"  {need}")
+        elif not fits(nxt, gpu_mem, host_mem, cfg.hardware.vram_limit_gib).ok:
+            print(f"  that is the upper end of the search and the limit of memory too: {need}")
         else:
             print("  that is the upper end of the search: memory is not the limit (--max-seq to go on)")
     cands = candidates_for_confirmation(best_seq, limit=top)

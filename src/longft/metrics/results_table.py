@@ -59,6 +59,9 @@ CURRENT = (
     Current("reference A's workload at A's memory", "1b-16k-gpu-mb4", "A"),
     Current("reference A's workload, every attention output kept", "h200-1b-16k-gpu", "A"),
     Current("reference B's workload (micro-batch 20)", "h200-1b-16k-offload", "B"),
+    Current("reference B's workload at B's memory", "h200-1b-16k-offload-w2mem", "B"),
+    Current("B's memory, `longft placement`'s fastest placement (its own micro-batch)",
+            "h200-1b-16k-w2mem-fastest"),
     Current("packed documents, flash-attn-4", "h200-1b-16k-packed-flash_attn_4"),
     Current("packed documents, flash-attn-4", "h200-1b-128k-packed-flash_attn_4"),
     Current("LoRA rank 8", "q3-1b-16k-lora8"),
@@ -83,8 +86,8 @@ NOTES = (
     "torch max allocated on the busiest GPU. Host RSS: the whole process tree. Reference: the "
     "reference study's own script on the same H200 (rows A, B, C; its \"MB\" are MiB), beside the "
     "rows that run its workload (random token ids, one sequence a row); packed and LoRA rows do "
-    "other work and have none. The equal-memory comparisons W1 and W2 of 2026-12-02 have no raw "
-    "result in bench/results yet: bench/LOG.md has them.")
+    "other work and have none, as has the placement row, whose micro-batch differs. The reference "
+    "rows were measured on 2026-12-02, longft's on the dates in their JSON (bench/LOG.md).")
 
 
 class ResultsTableError(UserError):
