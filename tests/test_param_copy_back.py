@@ -2,20 +2,11 @@
 16-bit partitions, through a few reused chunks. On the CPU the chunks are plain memory; the values
 must be the very bits of DeepSpeed's own copy (test_gpu_host_copies.py has the GPU's asynchronous path)."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
 from longft.engine.param_copy_back import ChunkedCopyBack, install
-from longft.run.launch import free_port
-
-SRC = Path(__file__).resolve().parents[1] / "src"
+from zero3_cpu import run_zero3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -74,55 +65,13 @@ def test_install_takes_the_converting_sub_groups_and_keeps_the_rest_and_the_step
     assert install(_Zero3Like()) is None          # partitions on the host: DeepSpeed's own copy
 
 
-WORKER = textwrap.dedent("""
-    import json, sys
-    import torch, deepspeed
-    from longft.engine import param_copy_back
-    param_copy_back.CHUNK_ELEMENTS = 1000            # several chunks a sub-group
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
-    x = torch.randn(4, 64)
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-          "bf16": {"enabled": True}, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                    "weight_decay": 0.01}},
-          "zero_optimization": {"stage": 3, "sub_group_size": 5000,
-                                "offload_optimizer": {"device": "cpu"}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    # on the CPU the partitions are on the host too: let the chunked path take them
-    copier = param_copy_back.install(engine.optimizer, devices=("cpu",)) if sys.argv[1] == "chunked" else None
-    losses = []
-    for _ in range(3):
-        loss = engine(x.bfloat16()).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        bits = [p.detach().view(torch.int16).view(-1).tolist() for p in model.parameters()]
-    print("RESULT " + json.dumps({"losses": losses, "bits": bits,
-                                  "copied": copier.copied if copier else 0}))
-""")
-
-
-def _run(tmp_path, mode: str) -> dict:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    p = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, env=env,
-                       timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
 
 
 @pytest.mark.slow
 def test_deepspeed_steps_through_the_chunks_to_the_same_bits(tmp_path):
     """DeepSpeed's own ZeRO-3 step (clipping, CPU Adam, sub-groups, the parameters re-pointed at
     the new partitions) with the copy swapped: the same losses and weights, bit for bit."""
-    own, chunked = _run(tmp_path, "deepspeed"), _run(tmp_path, "chunked")
+    own, chunked = run_zero3(tmp_path, "deepspeed"), run_zero3(tmp_path, "chunked")
     assert chunked["copied"] == 3 * sum(64 * 64 + 64 for _ in range(6))   # every step, every value
     assert len(set(own["losses"])) == 3                                   # the weights did move
     assert chunked["losses"] == own["losses"] and chunked["bits"] == own["bits"]

@@ -22,6 +22,7 @@ from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
 from longft.engine import (
     checkpoint,
+    clip_scale,
     ds_config,
     grad_buffer,
     param_copy_back,
@@ -217,6 +218,7 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
             print("longft: zero.offload_ratio: the optimizer's GPU sub-groups follow the LR schedule "
                   "(DeepSpeed's own GPU AdamW keeps the first step's lr; engine/partial_offload.py)",
                   flush=True)
+    clip_scale.install(engine.optimizer)    # ZeRO-3's gradient rescaling pass only where it changes a bit
     if plan.resolved.copy_back.value == "chunked":
         installed = param_copy_back.install(engine.optimizer)
         if rank == 0:

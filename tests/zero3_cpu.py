@@ -1,0 +1,67 @@
+"""A few steps of DeepSpeed's own ZeRO-3 with CPU Adam, in a subprocess on the CPU (gloo), with
+longft's optimizer patches on or off: the losses, the final weights' bits and what the patches
+counted. Shared by tests/test_param_copy_back.py and tests/test_clip_scale.py."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from longft.run.launch import free_port
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+WORKER = textwrap.dedent('''
+    import json, sys
+    import torch, deepspeed
+    from longft.engine import clip_scale, param_copy_back
+    copy_back, clip_mode, clipping = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    param_copy_back.CHUNK_ELEMENTS = 1000            # several chunks a sub-group
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    x = torch.randn(4, 64)
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "bf16": {"enabled": True}, "gradient_clipping": clipping,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                    "weight_decay": 0.01}},
+          "zero_optimization": {"stage": 3, "sub_group_size": 5000,
+                                "offload_optimizer": {"device": "cpu"}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    # on the CPU the partitions are on the host too: let the chunked path take them
+    copier = param_copy_back.install(engine.optimizer, devices=("cpu",)) if copy_back == "chunked" else None
+    own, passes = engine.optimizer.unscale_and_clip_grads, []
+    def counted(*args):                              # DeepSpeed's own rescaling pass, counted
+        passes.append(1)
+        return own(*args)
+    engine.optimizer.unscale_and_clip_grads = counted
+    if clip_mode == "skip":
+        assert clip_scale.install(engine.optimizer)
+    losses = []
+    for _ in range(3):
+        loss = engine(x.bfloat16()).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        bits = [p.detach().view(torch.int16).view(-1).tolist() for p in model.parameters()]
+    print("RESULT " + json.dumps({"losses": losses, "bits": bits, "passes": len(passes),
+                                  "copied": copier.copied if copier else 0}))
+''')
+
+
+def run_zero3(tmp_path, copy_back: str = "deepspeed", clip: str = "own", clipping: float = 1.0) -> dict:
+    """copy_back: deepspeed | chunked; clip: own (DeepSpeed's rescaling pass always) | skip
+    (engine/clip_scale.py); clipping: DeepSpeed's gradient_clipping."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.run([sys.executable, str(script), copy_back, clip, str(clipping)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
