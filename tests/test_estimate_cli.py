@@ -231,3 +231,22 @@ def test_near_ties_go_to_the_placement_using_less_of_the_machine():
     assert ov["gpu_layers"] == 0 and "keep_attention" in ov
     # without the machine's sizes the old rule (least GPU memory) takes an offloading one
     assert best(cands).offload != "none"
+
+
+def test_the_24gb_recipe_in_the_docs_answers_as_the_docs_say(tmp_path, on, capsys, monkeypatch):
+    """docs/memory.md's placement command for Llama-3.2-1B on a 24 GB card, as a user pastes it."""
+    import shlex
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    line = next(x for x in docs.splitlines() if x.startswith("longft placement --gpu-mem 24 "))
+    on(CPU)
+    monkeypatch.chdir(tmp_path)
+    assert main("placement", shlex.split(line)[2:]) == 0
+    out = capsys.readouterr().out
+    chosen = next(x for x in out.splitlines() if x.startswith("chosen:"))
+    assert "full-parameter, ZeRO-3 offload opt," in chosen
+    assert "checkpointing cpu_offload (8 on GPU, 16 attention kept)" in chosen
+    overlay = yaml.safe_load((tmp_path / "1b.yaml").read_text())
+    assert overlay["data"]["max_seq_length"] == 131072
+    assert overlay["zero"]["offload_optimizer"] == "cpu" and overlay["checkpointing"]["gpu_layers"] == 8
