@@ -37,13 +37,14 @@ def install(optimizer) -> bool:
     if original is None or not hasattr(optimizer, "fp32_partitioned_groups_flat") \
             or not hasattr(optimizer, "clip_grad") or not hasattr(optimizer, "loss_scale"):
         return False
-    last: list = [None, False]          # the norm last checked, and whether its factor is 1
+    checked, one = None, False          # the norm last checked, and whether its factor is 1
 
     def unscale_and_clip_grads(sub_group_id, total_norm):
-        if last[0] is not total_norm:
-            last[:] = [total_norm, bool(combined_scale(optimizer.loss_scale, optimizer.clip_grad,
-                                                       total_norm) == 1.0)]
-        if last[1]:
+        nonlocal checked, one
+        if checked is not total_norm:
+            checked = total_norm
+            one = bool(combined_scale(optimizer.loss_scale, optimizer.clip_grad, total_norm) == 1.0)
+        if one:
             return None                 # x * 1.0 == x: the pass would change nothing
         return original(sub_group_id, total_norm)
 
