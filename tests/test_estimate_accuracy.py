@@ -81,7 +81,8 @@ KNOWN_MISSES = {
     ("h200x2-8b-128k-shared.json", "vram_max_reserved"),
     ("h200x2-8b-128k-shared.json", "vram_nvml_used"),
     # and on W2 at the reference's memory (83eb794: 65.4 GiB reserved for 48.7 allocated); its
-    # capped twin h200-1b-16k-offload-w2mem-cap is planned (bench/LOG.md)
+    # capped twin h200-1b-16k-offload-w2mem-cap (ee3b7a9, cap 51.7 GiB) fills the cap and trains at
+    # the same allocated 48.7 GiB
     ("h200-1b-16k-offload-w2mem.json", "vram_max_reserved"),
     ("h200-1b-16k-offload-w2mem.json", "vram_nvml_used"),
 }
@@ -174,38 +175,74 @@ def test_host_peak_is_the_larger_moment_on_the_measured_rows():
     assert seen == {"setup", "steady"}
 
 
-def test_max_context_gpu_runs_within_10_percent():
-    """`longft max-context --confirm` on the H200 (bench/results/maxctx-1b-16gib-maxctx.json): the
-    run that fitted, re-estimated from its overlay at its length, within 10 % (allocated, host)."""
+def _reestimate_max_context(report_name: str, overlay_name: str, fix: dict | None = None,
+                            host_mem_gib: float = 251.8):
+    """(measured, estimate): the run of a `longft max-context --confirm` report (bench/results)
+    that fitted, and the current estimator's prediction for it, from its overlay (bench/configs)
+    at its length and its card's cap; `fix` pins what the run had and today's auto would not."""
     import yaml
 
     from longft.config.params import Config, merge, to_dict
-    from longft.estimate.estimator import GIB, estimate, setup_from_config
+    from longft.estimate.estimator import estimate, setup_from_config
     from longft.hardware import Hardware, resolve
     from longft.model.architecture import architecture
     from longft.model.loading import load_model_config
 
-    report = json.loads((REPO / "bench/results/maxctx-1b-16gib-maxctx.json").read_text())
+    report = json.loads((REPO / "bench/results" / report_name).read_text())
     run = next(r for r in report["runs"] if r["status"] == "fits")
     assert run["seq"] == report["confirmed_max_seq"]
-    over = yaml.safe_load((REPO / "bench/configs/maxctx-1b.yaml").read_text())
+    over = yaml.safe_load((REPO / "bench/configs" / overlay_name).read_text())
     over.pop("bench_note")
-    # measured at 6d93e57, before zero.host_grad_buffer and zero.copy_back existed: DeepSpeed's
-    # full buffer and its own copy of the updated weights
-    over = merge(over, {"data": {"max_seq_length": run["seq"]}, "kernels": {"tiled_mlp": "on"},
-                        "hardware": {"vram_limit_gib": report["vram_limit_gib"]},
-                        "zero": {"host_grad_buffer": "full", "copy_back": "deepspeed"}})
-    cfg = from_dict(merge(to_dict(Config()), over))
+    over = merge(over, {"data": {"max_seq_length": run["seq"]},
+                        "hardware": {"vram_limit_gib": report["vram_limit_gib"]}})
+    cfg = from_dict(merge(to_dict(Config()), merge(over, fix or {})))
     arch = architecture(load_model_config(cfg.model))
     h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
-                    gpu_mem_gib=139.8, host_mem_gib=251.8, cpu_count=32, flash_attn=False, liger=True)
+                    gpu_mem_gib=139.8, host_mem_gib=host_mem_gib, cpu_count=32, flash_attn=False,
+                    liger=True)
     resolved = {k: c.value for k, c in resolve(cfg, h200, arch["model_type"]).items()}
-    est = estimate(arch, setup_from_config(cfg, resolved))
-    measured = run["measured"]
+    return run["measured"], estimate(arch, setup_from_config(cfg, resolved))
+
+
+def test_max_context_gpu_runs_within_10_percent():
+    """`longft max-context --confirm` on the H200 (bench/results/maxctx-1b-16gib-maxctx.json): the
+    run that fitted, re-estimated from its overlay at its length, within 10 % (allocated, host)."""
+    from longft.estimate.estimator import GIB
+
+    # measured at 6d93e57, before zero.host_grad_buffer and zero.copy_back existed: DeepSpeed's
+    # full buffer and its own copy of the updated weights
+    measured, est = _reestimate_max_context(
+        "maxctx-1b-16gib-maxctx.json", "maxctx-1b.yaml",
+        {"kernels": {"tiled_mlp": "on"},
+         "zero": {"host_grad_buffer": "full", "copy_back": "deepspeed"}})
     assert abs(est.gpu_allocated / GIB / measured["vram_allocated_gib"] - 1) < 0.10
     assert abs(est.host_rss / GIB / measured["host_rss_gib"] - 1) < 0.10
     # tighter than the bar: without the step's bf16 temporary the host was 6.2 % under
     assert abs(est.host_rss / GIB / measured["host_rss_gib"] - 1) < 0.02
+
+
+@pytest.mark.parametrize("report,overlay,gpu_within", [
+    ("maxctx-8b-256k-ratio-139gib-maxctx.json", "maxctx-8b-256k-ratio.yaml", 0.10),
+    # known miss (strict): 14.9 GiB too high at 524,288 tokens, on the safe side (docs/estimator.md)
+    ("maxctx-8b-512k-bf16-139gib-maxctx.json", "maxctx-8b-512k-bf16.yaml", None),
+])
+def test_8b_context_reach_on_one_h200(report, overlay, gpu_within):
+    """Issue 33's context reach, confirmed on the H200 with 118 GiB of host RAM (ee3b7a9): 8B full
+    parameter at 262,144 tokens (fp32 states, offload_ratio 0.8) and 524,288 (bf16 states, every
+    layer checkpoint but 4 in pinned host memory). The host within 2 %; the GPU never under the
+    measurement (a run the estimate says fits must fit), within 10 % at 256K. The excess is
+    about 30 KB a token at both lengths (7.5 GiB at 256K, 14.9 at 512K) against ~0 on the 128K
+    rows: a per-token backward term too high beyond 128K, not attributed yet."""
+    from longft.estimate.estimator import GIB
+
+    measured, est = _reestimate_max_context(report, overlay)
+    assert abs(est.host_rss / GIB / measured["host_rss_gib"] - 1) < 0.02
+    gpu = est.gpu_allocated / GIB / measured["vram_allocated_gib"] - 1
+    assert gpu > 0
+    if gpu_within is not None:
+        assert gpu < gpu_within
+    else:
+        assert gpu >= 0.10, "now within 10 %: drop it from the known misses"
 
 
 def test_qlora_rows_on_the_emulated_24_gib_card():
