@@ -250,3 +250,27 @@ def test_the_24gb_recipe_in_the_docs_answers_as_the_docs_say(tmp_path, on, capsy
     overlay = yaml.safe_load((tmp_path / "1b.yaml").read_text())
     assert overlay["data"]["max_seq_length"] == 131072
     assert overlay["zero"]["offload_optimizer"] == "cpu" and overlay["checkpointing"]["gpu_layers"] == 8
+
+
+def test_the_512k_recipe_in_the_docs_answers_as_the_docs_say(tmp_path, on, capsys, monkeypatch):
+    """docs/memory.md's placement command for Llama-3.1-8B at 524,288 tokens on one H200, as a user
+    pastes it: the placement confirmed on the H200 (bench/configs/maxctx-8b-512k-bf16.yaml)."""
+    import shlex
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    docs = (repo / "docs" / "memory.md").read_text()
+    line = next(x for x in docs.splitlines() if x.startswith("longft placement --gpu-mem 139 "))
+    on(CPU)
+    monkeypatch.chdir(tmp_path)
+    assert main("placement", shlex.split(line)[2:]) == 0
+    out = capsys.readouterr().out
+    chosen = next(x for x in out.splitlines() if x.startswith("chosen:"))
+    assert "ZeRO-3 offload none bf16-states" in chosen
+    assert "checkpointing cpu_offload (4 on GPU, 2 attention kept)" in chosen
+    overlay = yaml.safe_load((tmp_path / "8b-512k.yaml").read_text())
+    confirmed = yaml.safe_load((repo / "bench/configs/maxctx-8b-512k-bf16.yaml").read_text())
+    assert overlay["data"]["max_seq_length"] == 524288
+    for section in ("checkpointing", "zero"):
+        for k, v in confirmed[section].items():
+            assert overlay[section][k] == v, (section, k)

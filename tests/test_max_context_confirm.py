@@ -35,7 +35,8 @@ class Fake:
             return RunResult(seq, NO_FIT, 2.0, "CUDA out of memory",
                              {"vram_allocated_gib": None, "host_rss_gib": 5.0})
         return RunResult(seq, FITS, 1.0, "", {"vram_allocated_gib": 13.2, "vram_reserved_gib": 13.9,
-                                              "vram_nvml_gib": 15.8, "host_rss_gib": 27.5})
+                                              "vram_nvml_gib": 15.8, "host_rss_gib": 27.5},
+                         speed={"tokens_per_s": 12345.6, "step_s": 8.3, "timed_steps": 1})
 
 
 def quiet(_):
@@ -156,6 +157,13 @@ def test_command_confirms_below_the_estimate_and_writes_the_report(tmp_path, on,
     assert "emulated" in out and "hardware.vram_limit_gib 14.1" in out
     row = [line for line in out.splitlines() if line.lstrip().startswith(f"{rep['confirmed_max_seq']:,}")]
     assert row and "13.20" in row[0] and "yes" in row[0]
+    # speed: the run's measured tokens/s beside the speed heuristic's for the H200 at that length
+    fit = rep["runs"][-1]
+    assert fit["speed"]["tokens_per_s"] == 12345.6 and fit["speed"]["step_s"] == 8.3
+    assert fit["predicted"]["tokens_per_s"] > 1000 and "12,346" in row[0]
+    assert f"{fit['predicted']['tokens_per_s']:,}" in row[0]
+    # a run that did not fit shows no speed
+    assert all(r["speed"] == {} for r in rep["runs"][:-1])
 
 
 def test_command_exit_codes_for_nothing_fits_and_other_failures(tmp_path, on, fake, capsys):
@@ -218,6 +226,9 @@ def test_confirmation_runs_the_real_stages_on_cpu(tmp_path, monkeypatch, capsys)
     assert (ok["seq"], ok["status"]) == (4096, FITS) and rep["confirmed_max_seq"] == 4096
     assert rep["shortest_not_fitting"] == 5120
     assert 0.1 < ok["measured"]["host_rss_gib"] < 24
+    # the one step's speed from metrics/train.json; no speed is predicted on the CPU
+    assert ok["speed"]["tokens_per_s"] > 0 and ok["speed"]["timed_steps"] == 1
+    assert ok["speed"]["step_s"] > 0 and ok["predicted"]["tokens_per_s"] is None
     train = json.loads((work / "seq-4096" / "metrics" / "train.json").read_text())
     assert train["status"] == "complete" and train["seq_len"] == 4096 and train["steps"] == 1
     ran = yaml.safe_load((work / "seq-4096" / "params.yaml").read_text())

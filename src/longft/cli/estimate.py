@@ -175,8 +175,13 @@ def cmd_max_context(argv: list[str]) -> int:
     answer = {"model": cfg.model.name, "params": a.params, "max_seq": best_seq, "search_up_to": top,
               "gpu_mem_gib": gpu_mem, "host_mem_gib": host_mem,
               "setup": describe(dataclasses.replace(base, seq_len=best_seq or SEQ_STEP))}
-    return job.run(answer, cands,
-                   lambda s: predicted(estimate(arch, dataclasses.replace(base, seq_len=s))))
+    gpu_name = hw.gpu_name if job.device == "cuda" else None   # no speed to predict on the CPU
+
+    def predict(seq):
+        at = dataclasses.replace(base, seq_len=seq)
+        return predicted(estimate(arch, at),
+                         tokens_per_second(arch, at, gpu_name) if gpu_name else None)
+    return job.run(answer, cands, predict)
 
 
 COMMANDS = {"estimate": cmd_estimate, "placement": cmd_placement, "max-context": cmd_max_context}

@@ -53,6 +53,7 @@ class RunResult:
     measured: dict = field(default_factory=dict)   # GiB, from metrics/train.json (None: not measured)
     work: str | None = None
     log: str | None = None
+    speed: dict = field(default_factory=dict)      # tokens_per_s, step_s, timed_steps (train.json)
 
     @property
     def fits(self) -> bool:
@@ -88,11 +89,22 @@ def measured(train: dict | None) -> dict:
             "vram_nvml_gib": v.get("nvml_used_gib"), "host_rss_gib": d.get("rss_tree_gib")}
 
 
-def predicted(est) -> dict:
-    """An Estimate's peaks in GiB, for the report."""
+def measured_speed(train: dict | None) -> dict:
+    """What a confirmation run says of speed: tokens/s and the median step of metrics/train.json
+    (its timed steps; with --iterations 1 the only step, warm-up included)."""
+    t = train or {}
+    return {"tokens_per_s": t.get("tokens_per_s"),
+            "step_s": (t.get("iter_latency_s") or {}).get("median"),
+            "timed_steps": t.get("timed_steps")}
+
+
+def predicted(est, tokens_per_s: float | None = None) -> dict:
+    """An Estimate's peaks in GiB, and the speed heuristic's tokens/s where there is one, for the
+    report."""
     return {"vram_allocated_gib": round(est.gpu_allocated / GIB, 3),
             "vram_reserved_gib": round(est.gpu_reserved / GIB, 3),
-            "vram_nvml_gib": round(est.gpu_nvml / GIB, 3), "host_rss_gib": round(est.host_rss / GIB, 3)}
+            "vram_nvml_gib": round(est.gpu_nvml / GIB, 3), "host_rss_gib": round(est.host_rss / GIB, 3),
+            "tokens_per_s": round(tokens_per_s) if tokens_per_s else None}
 
 
 def run_overlay(seq: int, iterations: int, global_batch: int, data_source: str,
@@ -135,9 +147,10 @@ class PipelineRunner:
 
         work = self.work / f"seq-{seq}"
         run = run_params(self.params_for(seq), work, self.source)
-        m = measured(run.read_json("metrics/train.json"))
+        train = run.read_json("metrics/train.json")
+        m = measured(train)
         res = RunResult(seq, FITS, round(run.seconds, 1), measured=m, work=str(work),
-                        log=str(run.log))
+                        log=str(run.log), speed=measured_speed(train))
         host = m["host_rss_gib"]
         if run.failed is not None:
             why = memory_failure(run.failed.name, run.failed.output)
@@ -193,19 +206,25 @@ def fmt(x: float | None, w: int = 6) -> str:
     return f"{x:{w}.2f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
 
 
+def rate(x: float | None, w: int = 7) -> str:
+    return f"{x:{w},.0f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
+
+
 def table(results: list[RunResult], predict: Callable[[int], dict]) -> str:
-    head = (f"{'length':>9}  {'predicted GiB':^22}  {'measured GiB':^30}  {'fits':<4} {'s':>5}\n"
+    head = (f"{'length':>9}  {'predicted GiB':^22}  {'measured GiB':^30}  {'tokens/s':^15}  "
+            f"{'fits':<4} {'s':>5}\n"
             f"{'':>9}  {'NVML':>6} {'resvd':>6} {'host':>8}  {'alloc':>6} {'resvd':>6} {'NVML':>6} "
-            f"{'host':>8}")
+            f"{'host':>8}  {'pred':>7} {'meas':>7}")
     rows = []
     for r in results:
         p, m = predict(r.seq), r.measured
         fits = {FITS: "yes", NO_FIT: "no", ERROR: "err"}[r.status]
+        tps = r.speed.get("tokens_per_s") if r.fits else None
         rows.append(f"{r.seq:>9,}  {fmt(p['vram_nvml_gib'])} {fmt(p['vram_reserved_gib'])} "
                     f"{fmt(p['host_rss_gib'], 8)}  {fmt(m.get('vram_allocated_gib'))} "
                     f"{fmt(m.get('vram_reserved_gib'))} {fmt(m.get('vram_nvml_gib'))} "
-                    f"{fmt(m.get('host_rss_gib'), 8)}  {fits:<4} {r.seconds:5.0f}"
-                    + (f"  {r.reason}" if r.reason else ""))
+                    f"{fmt(m.get('host_rss_gib'), 8)}  {rate(p.get('tokens_per_s'))} {rate(tps)}  "
+                    f"{fits:<4} {r.seconds:5.0f}" + (f"  {r.reason}" if r.reason else ""))
     return "\n".join([head, *rows])
 
 
