@@ -1,6 +1,7 @@
 """`longft estimate | placement | max-context` (longft.cli.estimate) on CPU with faked hardware."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import yaml
@@ -233,18 +234,25 @@ def test_near_ties_go_to_the_placement_using_less_of_the_machine():
     assert best(cands).offload != "none"
 
 
-def test_the_24gb_recipe_in_the_docs_answers_as_the_docs_say(tmp_path, on, capsys, monkeypatch):
-    """docs/memory.md's placement command for Llama-3.2-1B on a 24 GB card, as a user pastes it."""
-    import shlex
-    from pathlib import Path
+REPO = Path(__file__).resolve().parents[1]
 
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
-    line = next(x for x in docs.splitlines() if x.startswith("longft placement --gpu-mem 24 "))
+
+def paste_docs_placement(prefix, tmp_path, on, capsys, monkeypatch):
+    """Run docs/memory.md's `longft placement` line that starts with `prefix`, as a user pastes
+    it, in tmp_path on a machine without a GPU; its "chosen:" line."""
+    import shlex
+
+    docs = (REPO / "docs" / "memory.md").read_text()
+    line = next(x for x in docs.splitlines() if x.startswith(prefix))
     on(CPU)
     monkeypatch.chdir(tmp_path)
     assert main("placement", shlex.split(line)[2:]) == 0
-    out = capsys.readouterr().out
-    chosen = next(x for x in out.splitlines() if x.startswith("chosen:"))
+    return next(x for x in capsys.readouterr().out.splitlines() if x.startswith("chosen:"))
+
+
+def test_the_24gb_recipe_in_the_docs_answers_as_the_docs_say(tmp_path, on, capsys, monkeypatch):
+    """docs/memory.md's placement command for Llama-3.2-1B on a 24 GB card, as a user pastes it."""
+    chosen = paste_docs_placement("longft placement --gpu-mem 24 ", tmp_path, on, capsys, monkeypatch)
     assert "full-parameter, ZeRO-3 offload opt," in chosen
     assert "checkpointing cpu_offload (8 on GPU, 16 attention kept)" in chosen
     overlay = yaml.safe_load((tmp_path / "1b.yaml").read_text())
@@ -255,21 +263,12 @@ def test_the_24gb_recipe_in_the_docs_answers_as_the_docs_say(tmp_path, on, capsy
 def test_the_512k_recipe_in_the_docs_answers_as_the_docs_say(tmp_path, on, capsys, monkeypatch):
     """docs/memory.md's placement command for Llama-3.1-8B at 524,288 tokens on one H200, as a user
     pastes it: the placement confirmed on the H200 (bench/configs/maxctx-8b-512k-bf16.yaml)."""
-    import shlex
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    docs = (repo / "docs" / "memory.md").read_text()
-    line = next(x for x in docs.splitlines() if x.startswith("longft placement --gpu-mem 139 "))
-    on(CPU)
-    monkeypatch.chdir(tmp_path)
-    assert main("placement", shlex.split(line)[2:]) == 0
-    out = capsys.readouterr().out
-    chosen = next(x for x in out.splitlines() if x.startswith("chosen:"))
+    chosen = paste_docs_placement("longft placement --gpu-mem 139 ", tmp_path, on, capsys,
+                                  monkeypatch)
     assert "ZeRO-3 offload none bf16-states" in chosen
     assert "checkpointing cpu_offload (4 on GPU, 2 attention kept)" in chosen
     overlay = yaml.safe_load((tmp_path / "8b-512k.yaml").read_text())
-    confirmed = yaml.safe_load((repo / "bench/configs/maxctx-8b-512k-bf16.yaml").read_text())
+    confirmed = yaml.safe_load((REPO / "bench/configs/maxctx-8b-512k-bf16.yaml").read_text())
     assert overlay["data"]["max_seq_length"] == 524288
     for section in ("checkpointing", "zero"):
         for k, v in confirmed[section].items():
