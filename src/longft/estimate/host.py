@@ -103,12 +103,12 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         # Not held at once with the start-up peak above: only the larger of the two counts (the 1B
         # ZeRO-2 row h200-1b-16k-w2mem-fastest-zero2 peaked 1.98 GiB above the baseline, with a
         # 2.30 GiB build and a 1.64 GiB start-up peak; the sum would be 3.94).
-        extra = max(0, setup - out[0].bytes)
-        out.append(Item("start-up: the model built on the host (ZeRO-2)", "host",
-                        max(0, R * w * n.P - extra), ("setup",),
-                        f"{R} rank(s) x {w} B x {n.P:,} params before they move to the GPU"
-                        + (" and are quantized (assumed; unmeasured)" if n.Pq else "")
-                        + ", less the start-up peak (not held at once)"))
+        build = R * w * n.P - max(0, setup - out[0].bytes)
+        if build > 0:
+            out.append(Item("start-up: the model built on the host (ZeRO-2)", "host", build,
+                            ("setup",), f"{R} rank(s) x {w} B x {n.P:,} params before they move "
+                            "to the GPU" + (" and are quantized (assumed; unmeasured)" if n.Pq else "")
+                            + ", less the start-up peak (not held at once)"))
     events: list[tuple[str, str, int]] = []
     names: dict[str, str] = {}
 

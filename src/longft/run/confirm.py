@@ -211,7 +211,7 @@ def rate(x: float | None, w: int = 7) -> str:
 
 
 def table(results: list[RunResult], predict: Callable[[int], dict]) -> str:
-    head = (f"{'length':>9}  {'predicted GiB':^22}  {'measured GiB':^30}  {'tokens/s':^15}  "
+    head = (f"{'length':>9}  {'predicted GiB':^22}  {'measured GiB':^29}  {'tokens/s':^15}  "
             f"{'fits':<4} {'s':>5}\n"
             f"{'':>9}  {'NVML':>6} {'resvd':>6} {'host':>8}  {'alloc':>6} {'resvd':>6} {'NVML':>6} "
             f"{'host':>8}  {'pred':>7} {'meas':>7}")
