@@ -9,7 +9,8 @@
 # sweep GRID --overlays`); a row named in an earlier grid or overlay runs once.
 # --max-context: `longft max-context --confirm` for each overlay (merged onto
 # params.yaml) at a GPU budget of GiB (a smaller card emulated with hardware.vram_limit_gib);
-# the report goes to $OUT/results/<overlay>-<GiB>gib-maxctx.json; --max-context-args (e.g.
+# the report goes to $OUT/results/<overlay>-<GiB>gib-maxctx.json and the last 20 kB of each
+# run's log to $OUT/results/logs/<overlay>-<GiB>gib-seq-<L>.log; --max-context-args (e.g.
 # "--host-mem 60 --max-seq 106496") are passed to the max-context items after it.
 # --pytest "ARGS": the gpu-marked tests that ARGS select (e.g. "tests/test_gpu_qlora.py -k fp16"),
 # logged to $OUT/gpu_tests-<n>.log. --cmd "COMMAND": any other command (a probe script), its output
@@ -100,7 +101,14 @@ for j in ${jobs[@]+"${jobs[@]}"}; do
       python3 scripts/bench.py "$a" --write-params "$work" || { rc=1; continue; }
       # shellcheck disable=SC2086  # the extra arguments are words
       python3 -m longft.cli max-context --params "$work/$name.yaml" --gpu-mem "$b" $c --confirm \
-        --work "$work" --out "$OUT/results/$name-${b}gib-maxctx.json" || rc=1 ;;
+        --work "$work" --out "$OUT/results/$name-${b}gib-maxctx.json" || rc=1
+      # each run's log (its step lines) comes back too: the last 20 kB of each
+      mkdir -p "$OUT/results/logs"
+      for log in "$work"/seq-*/log.txt; do
+        [ -f "$log" ] || continue
+        seq=$(basename "$(dirname "$log")")
+        tail -c 20000 "$log" > "$OUT/results/logs/$name-${b}gib-$seq.log"
+      done ;;
     pytest)
       n_tests=$((n_tests + 1))
       # eval: ARGS may quote, as in -k 'fp16 or 8bit'

@@ -1,10 +1,13 @@
-"""scripts/gpu_suite.sh --grid: a sweep grid's rows in order, each row name once across grids
-(GPU_SUITE_DRY lists the rows and runs nothing, so this runs without a GPU)."""
+"""scripts/gpu_suite.sh: a sweep grid's rows in order, each row name once across grids, and the
+items in the order given (GPU_SUITE_DRY lists them and runs nothing, so this runs without a GPU);
+one --max-context item for real on the CPU (slow)."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,3 +50,26 @@ def test_items_run_in_the_order_given_with_their_max_context_arguments(tmp_path)
         "max-context bench/configs/maxctx-1b.yaml 16 ",
         "cmd python scripts/qlora_memory_probe.py",
     ]
+
+
+@pytest.mark.slow
+def test_max_context_items_bring_back_each_runs_log(tmp_path):
+    """A --max-context item for real (the tiny default model on the CPU, one 1,024-token run):
+    besides the report, the run's log comes back under $OUT/results/logs, with its step line
+    (the 256K confirmation's speed was lost when its log stayed on the GPU machine)."""
+    import yaml
+
+    name = f"suite-logs-{os.getpid()}"
+    overlay = tmp_path / f"{name}.yaml"
+    overlay.write_text(yaml.safe_dump({"bench_note": "test", "data": {"source": "random",
+                                                                      "pack": False}}))
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "--no-tests", "--max-context-args",
+                        "--max-seq 1024 --iterations 1", "--max-context", str(overlay), "16"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = yaml.safe_load((out / "results" / f"{name}-16gib-maxctx.json").read_text())
+    assert report["confirmed_max_seq"] == 1024
+    log = (out / "results" / "logs" / f"{name}-16gib-seq-1024.log").read_text()
+    assert "step 1/1 loss" in log and "tok/s" in log
