@@ -266,7 +266,10 @@ def test_8bit_adamw_trains_without_offload(tmp_path, byte_tokenizer):
                "train": {"iterations": 4}, "optim": {"lr": 3e-3}}
     full, _ = _run(tmp_path / "adamw", base_dir, overlay)
     eight, rows = _run(tmp_path / "8bit", base_dir, merge(overlay, {"optim": {"name": "adamw_8bit"}}))
-    assert eight[1] == full[1]  # the same first forward
+    # the same first forward: the same weights and rows, to float noise (on a loaded CPU the two
+    # processes' thread reductions can differ in the last bits: 5.976229 against 5.976220 in a CI
+    # run with two test workers)
+    assert eight[1] == pytest.approx(full[1], rel=1e-5, abs=0)
     assert eight[4] < eight[1]  # it learns
     assert eight != full        # with other states than Adam's fp32 ones
     for s in full:
