@@ -202,12 +202,8 @@ def vram_cap(gpu_mem: float, card_gib: float | None, params_cap: float | None) -
     return cap if params_cap is None else min(cap, params_cap)
 
 
-def fmt(x: float | None, w: int = 6) -> str:
-    return f"{x:{w}.2f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
-
-
-def rate(x: float | None, w: int = 7) -> str:
-    return f"{x:{w},.0f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
+def fmt(x: float | None, w: int = 6, spec: str = ".2f") -> str:
+    return f"{x:{w}{spec}}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
 
 
 def table(results: list[RunResult], predict: Callable[[int], dict]) -> str:
@@ -223,7 +219,8 @@ def table(results: list[RunResult], predict: Callable[[int], dict]) -> str:
         rows.append(f"{r.seq:>9,}  {fmt(p['vram_nvml_gib'])} {fmt(p['vram_reserved_gib'])} "
                     f"{fmt(p['host_rss_gib'], 8)}  {fmt(m.get('vram_allocated_gib'))} "
                     f"{fmt(m.get('vram_reserved_gib'))} {fmt(m.get('vram_nvml_gib'))} "
-                    f"{fmt(m.get('host_rss_gib'), 8)}  {rate(p.get('tokens_per_s'))} {rate(tps)}  "
+                    f"{fmt(m.get('host_rss_gib'), 8)}  {fmt(p.get('tokens_per_s'), 7, ',.0f')} "
+                    f"{fmt(tps, 7, ',.0f')}  "
                     f"{fits:<4} {r.seconds:5.0f}" + (f"  {r.reason}" if r.reason else ""))
     return "\n".join([head, *rows])
 
@@ -259,13 +256,14 @@ class Confirmation:
         results, best = search(candidates, runner, say)
         last = results[-1]
         fails = [r.seq for r in results if r.status == NO_FIT and r.seq > best]
+        preds = {r.seq: predict(r.seq) for r in results}     # one estimate a length, for both
         report = {"estimate": estimate, "device": self.device, "iterations": self.iterations,
                   "vram_limit_gib": self.vram_limit_gib, "host_budget_gib": self.host_budget_gib,
                   "notes": self.notes, "candidates": candidates,
-                  "runs": [dict(dataclasses.asdict(r), predicted=predict(r.seq)) for r in results],
+                  "runs": [dict(dataclasses.asdict(r), predicted=preds[r.seq]) for r in results],
                   "confirmed_max_seq": best,
                   "shortest_not_fitting": min(fails) if fails else None, "error": None}
-        say("\n" + table(results, predict))
+        say("\n" + table(results, preds.__getitem__))
         if last.status == ERROR:
             report["error"] = (f"the run at {last.seq:,} tokens failed, not for memory: "
                                f"{last.reason}; see {last.log}")
