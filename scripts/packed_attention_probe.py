@@ -88,7 +88,7 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         gqa = {"native_gqa_runs": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     print(json.dumps(gqa), flush=True)
-    fa4 = pa.flash_attn_4_function() is not None  # training's own call (pa.flash_attn_4) is timed
+    fa4 = pa.flash_attn_4_available()  # training's own call (pa.flash_attn_4) is timed
     if not fa4:
         print(json.dumps({"fa4": "flash_attn.cute cannot be imported: fa4_varlen not timed"}), flush=True)
     for model, (h, g, d) in SHAPES.items():

@@ -167,15 +167,18 @@ def test_estimate_counts_each_kept_output_until_its_backward():
     assert kept.host_rss == plain.host_rss
 
 
-def test_planner_keeps_no_attention_output_of_flash_attn_4():
-    """flash-attn-4's kernels are not torch ops, so keep_attention cannot keep them (the policy
-    refuses the pair): the planner does not propose it where the run uses flash-attn-4."""
+def test_planner_keeps_attention_outputs_of_flash_attn_4():
+    """longft runs flash-attn-4 as a torch op (model/flash_attn_4_op.py), so keep_attention keeps
+    its outputs: the planner proposes as many kept layers as with SDPA (the same tensors), whether
+    flash-attn-4 runs packed rows only or every row (kernels.attention flash_attn_4)."""
     import dataclasses
 
     s = _setup()
-    assert keep_on_gpu(LLAMA_8B, s, gpu_mem_gib=40, host_mem_gib=172).keep_attention > 0
-    fa4 = keep_on_gpu(LLAMA_8B, dataclasses.replace(s, flash_attn_4=True), gpu_mem_gib=40, host_mem_gib=172)
-    assert fa4.keep_attention == 0
+    sdpa = keep_on_gpu(LLAMA_8B, s, gpu_mem_gib=40, host_mem_gib=172).keep_attention
+    assert sdpa > 0
+    for fa4 in (dataclasses.replace(s, flash_attn_4=True),
+                dataclasses.replace(s, flash_attn_4=True, attention="flash_attn_4")):
+        assert keep_on_gpu(LLAMA_8B, fa4, gpu_mem_gib=40, host_mem_gib=172).keep_attention == sdpa
 
 
 def test_planner_keeps_attention_before_checkpoints_and_ranks_it_faster():

@@ -63,7 +63,7 @@ def needs_kernel(kernel):
         pytest.skip("needs CUDA")
     if kernel == "varlen" and not pa.varlen_available():
         pytest.skip("this torch has no varlen_attn")
-    if kernel == "flash_attn_4" and pa.flash_attn_4_function() is None:
+    if kernel == "flash_attn_4" and not pa.flash_attn_4_available():
         pytest.skip("flash-attn-4 is not installed")
 
 
@@ -313,11 +313,32 @@ def test_per_document_cudnn_ragged_path_matches_flash_on_new_lengths():
 def test_flash_attn_4_refuses_to_install_without_the_package(monkeypatch):
     """Where flash_attn.cute cannot be imported, installing the kernel fails at once, naming the
     package and the way out, instead of at the first forward of a long run."""
-    monkeypatch.setattr(pa, "flash_attn_4_function", lambda: None)
+    monkeypatch.setattr(pa, "flash_attn_4_available", lambda: False)
     model = tiny()
     with pytest.raises(pa.PackedAttentionError, match="pip install flash-attn-4"):
         pa.install(model, "flash_attn_4")
     assert model.config._attn_implementation == "sdpa"  # left as it was
+
+
+def test_attention_flash_attn_4_builds_on_sdpa_and_installs_for_every_row(monkeypatch):
+    """transformers builds the model with SDPA (flash_attn_4 is not one of its implementations);
+    the patches then install longft's attention function with flash-attn-4 for single documents,
+    and keep_attention is set up on it."""
+    from longft.model import patches
+    from longft.model.loading import transformers_attention
+
+    assert [transformers_attention(a) for a in ("flash_attn_4", "sdpa", "eager", "flash_attention_2")] == [
+        "sdpa", "sdpa", "eager", "flash_attention_2"]
+    monkeypatch.setattr(pa, "flash_attn_4_available", lambda: True)
+    model = tiny()
+    record = patches.apply(model, liger=False, checkpointing="gpu", keep_attention=1,
+                           attention_kernel="flash_attn_4")
+    assert model.config._attn_implementation == pa.NAME
+    from transformers import AttentionInterface
+
+    fn = AttentionInterface()[pa.NAME]
+    assert (fn.kernel, fn.single_documents) == ("flash_attn_4", True)
+    assert record["attention_kept_layers"] == 1
 
 
 @pytest.mark.gpu

@@ -70,11 +70,11 @@ def test_vram_limit_with_device_auto_on_a_machine_without_a_gpu_is_refused():
         resolve(from_dict({"hardware": {"vram_limit_gib": 16}}), cpu, "llama")
 
 
-def test_flash_attn_4_runs_only_where_it_can_and_keeps_nothing():
+def test_flash_attn_4_runs_only_where_it_can():
     """kernels.packed_attention flash_attn_4: resolved on a Hopper GPU with flash-attn-4
-    installed; refused, naming the fix, without the package, below compute capability 9.0, on
-    CPU, with checkpointing.keep_attention (its kernels are not torch ops, so nothing would be
-    kept) and beside eager or flash_attention_2 attention."""
+    installed, also with checkpointing.keep_attention (longft runs it as a torch op whose outputs
+    are kept); refused, naming the fix, without the package, below compute capability 9.0, on
+    CPU and beside eager or flash_attention_2 attention."""
     import dataclasses
 
     from longft.config import from_dict
@@ -87,12 +87,11 @@ def test_flash_attn_4_runs_only_where_it_can_and_keeps_nothing():
     assert (got.value, got.reason) == ("flash_attn_4", "set in params")
     a100 = dataclasses.replace(h200, gpu_name="NVIDIA A100-SXM4-40GB", capability=(8, 0))
     # auto: flash-attn-4 where it is installed on Hopper and newer (measured fastest at every
-    # length), unless keep_attention asks for what it cannot keep; never below 9.0
-    for seq in (16384, 131072):
-        got = resolve(from_dict({"data": {"max_seq_length": seq}}), h200, "llama")["packed_attention"]
-        assert got.value == "flash_attn_4" and "49,447" in got.reason
-    kept = resolve(from_dict({"checkpointing": {"keep_attention": 4}}), h200, "llama")["packed_attention"]
-    assert kept.value == "varlen" and "cannot keep its outputs" in kept.reason
+    # length), with keep_attention too; never below 9.0
+    for params in ({"data": {"max_seq_length": 16384}}, {"data": {"max_seq_length": 131072}},
+                   {"checkpointing": {"keep_attention": 4}}):
+        got = resolve(from_dict(params), h200, "llama")["packed_attention"]
+        assert got.value == "flash_attn_4" and "49,447" in got.reason, params
     assert resolve(from_dict({}), dataclasses.replace(h200, flash_attn_4=False),
                    "llama")["packed_attention"].value == "varlen"
     assert resolve(from_dict({}), a100, "llama")["packed_attention"].value == "varlen"
@@ -102,8 +101,9 @@ def test_flash_attn_4_runs_only_where_it_can_and_keeps_nothing():
     r = resolve(from_dict({}), both, "llama")
     assert (r["attention"].value, r["packed_attention"].value) == ("sdpa", "flash_attn_4")
     assert "flash-attn-4 installed" in r["attention"].reason
-    for params in ({"checkpointing": {"keep_attention": 4}}, {"data": {"pack": False}}):
-        assert resolve(from_dict(params), both, "llama")["attention"].value == "flash_attention_2", params
+    assert resolve(from_dict({"checkpointing": {"keep_attention": 4}}), both,
+                   "llama")["attention"].value == "sdpa"
+    assert resolve(from_dict({"data": {"pack": False}}), both, "llama")["attention"].value == "flash_attention_2"
     assert resolve(from_dict({}), dataclasses.replace(both, flash_attn_4=False),
                    "llama")["attention"].value == "flash_attention_2"
     # a pinned longft kernel with flash-attn 2 installed: auto attention makes way for it
@@ -121,7 +121,6 @@ def test_flash_attn_4_runs_only_where_it_can_and_keeps_nothing():
             (ask, dataclasses.replace(h200, flash_attn_4=False), "pip install flash-attn-4"),
             (ask, a100, r"Hopper or Blackwell GPU \(compute capability >= 9.0; NVIDIA A100-SXM4-40GB is 8.0\)"),
             (ask, Hardware(device="cpu", host_mem_gib=24, cpu_count=2, flash_attn_4=True), "no CUDA GPU"),
-            ({**ask, "checkpointing": {"keep_attention": 2}}, h200, "keep_attention cannot keep flash-attn-4"),
             ({**ask, "precision": "fp32"}, h200, "flash_attn_4 runs bf16 or fp16, not fp32"),
             ({"kernels": {"packed_attention": "flash_attn_4", "attention": "eager"}}, h200,
              "needs kernels.attention sdpa"),
@@ -212,3 +211,34 @@ def test_on_an_images_torch_without_varlen_auto_takes_per_document(monkeypatch):
             assert c.value == "per_document", (name, seq, c)
         with pytest.raises(PlanError, match=r"torch >= 2.10"):
             resolve(from_dict({"kernels": {"packed_attention": "varlen"}}), hw, "llama")
+
+
+def test_attention_flash_attn_4_runs_every_row_on_it_where_it_can():
+    """kernels.attention flash_attn_4: resolved on a Hopper GPU with flash-attn-4 installed, packed
+    rows on its varlen kernel (not SDPA's backends: sdpa_backend is moot), keep_attention allowed;
+    refused, naming the fix, without the package, below 9.0, on CPU, in fp32, beside another
+    pinned packed kernel and for a model that softcaps its attention logits."""
+    import dataclasses
+
+    h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
+                    gpu_mem_gib=139.8, host_mem_gib=125.9, varlen_attn=True, flash_attn_4=True)
+    ask = {"kernels": {"attention": "flash_attn_4"}}
+    r = resolve(from_dict({**ask, "checkpointing": {"keep_attention": 4}}), h200, "llama")
+    assert (r["attention"].value, r["attention"].reason) == ("flash_attn_4", "set in params")
+    assert r["packed_attention"].value == "flash_attn_4" and "its varlen kernel" in r["packed_attention"].reason
+    assert r["sdpa_backend"].value == "default"
+    unpacked = resolve(from_dict({**ask, "data": {"pack": False}}), h200, "llama")
+    assert (unpacked["attention"].value, unpacked["packed_attention"].value) == ("flash_attn_4", "none")
+    a100 = dataclasses.replace(h200, gpu_name="NVIDIA A100-SXM4-40GB", capability=(8, 0))
+    for params, hw, msg, softcap in (
+            (ask, dataclasses.replace(h200, flash_attn_4=False),
+             "attention: flash_attn_4 needs the flash-attn-4 package", None),
+            (ask, a100, r"Hopper or Blackwell GPU \(compute capability >= 9.0; NVIDIA A100-SXM4-40GB is 8.0\)", None),
+            (ask, Hardware(device="cpu", host_mem_gib=24, cpu_count=2, flash_attn_4=True), "no CUDA GPU", None),
+            ({**ask, "precision": "fp32"}, h200, "kernels.attention: flash_attn_4 runs bf16 or fp16, not fp32", None),
+            ({"kernels": {"attention": "flash_attn_4", "packed_attention": "varlen"}}, h200,
+             "runs packed rows with its own varlen kernel", None),
+            (ask, h200, "flash_attn_4 cannot apply this model's attention logit softcapping", 50.0)):
+        with pytest.raises(PlanError, match=msg):
+            resolve(from_dict(params), hw, "llama", softcap)
+

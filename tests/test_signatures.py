@@ -4,8 +4,10 @@ values travel as the typed objects that exist for them (plan.resolved, a Config 
 train_step.StepRecord). A call such as `search(arch, base, 24, 60, None)` reads as nothing, and
 swapping two of its numbers raises no error.
 
-The one exception is transformers' attention interface: an attention function is called by the
-model as `fn(module, query, key, value, attention_mask, ...)`, so longft's kernels keep that order."""
+Two exceptions: transformers' attention interface (an attention function is called by the model
+as `fn(module, query, key, value, attention_mask, ...)`, so longft's kernels keep that order), and
+torch ops (`torch.library.custom_op` and their fake kernels: an op's schema takes its tensors by
+position; custom_op refuses keyword-only tensors)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,18 @@ def wide(tree: ast.AST) -> list[tuple[int, str, int]]:
         names = [a.arg for a in node.args.posonlyargs + node.args.args]
         if names and names[0] in ("self", "cls"):
             names = names[1:]
-        if len(names) > MAX_POSITIONAL and names[:4] != ATTENTION_INTERFACE:
+        if len(names) > MAX_POSITIONAL and names[:4] != ATTENTION_INTERFACE and not torch_op(node):
             out.append((node.lineno, node.name, len(names)))
     return out
+
+
+def torch_op(node) -> bool:
+    """Whether `node` is a torch op's function: `@torch.library.custom_op(...)` or `@op.register_fake`."""
+    for d in node.decorator_list:
+        d = d.func if isinstance(d, ast.Call) else d
+        if isinstance(d, ast.Attribute) and d.attr in ("custom_op", "register_fake"):
+            return True
+    return False
 
 
 def test_no_function_takes_more_than_six_positional_parameters():
@@ -44,5 +55,8 @@ def test_the_rule_sees_wide_functions_and_spares_keyword_only_and_attention_ones
            "def b(p1, p2, p3, *, p4, p5, p6, p7, p8): pass\n"
            "class C:\n    def m(self, p1, p2, p3, p4, p5, p6): pass\n"
            "    def n(self, p1, p2, p3, p4, p5, p6, p7=0): pass\n"
-           "def attn(module, query, key, value, mask, dropout, scaling, causal): pass\n")
-    assert [(name, n) for _, name, n in wide(ast.parse(src))] == [("a", 7), ("n", 7)]
+           "def attn(module, query, key, value, mask, dropout, scaling, causal): pass\n"
+           "@torch.library.custom_op('x::op', mutates_args=())\ndef op(p1, p2, p3, p4, p5, p6, p7): pass\n"
+           "@op.register_fake\ndef _(p1, p2, p3, p4, p5, p6, p7): pass\n"
+           "@functools.cache\ndef d(p1, p2, p3, p4, p5, p6, p7): pass\n")
+    assert sorted((name, n) for _, name, n in wide(ast.parse(src))) == [("a", 7), ("d", 7), ("n", 7)]

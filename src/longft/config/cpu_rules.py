@@ -27,8 +27,8 @@ def checkpointing(mode: str) -> list[str]:
 
 def attention(value: str) -> list[str]:
     """flash-attn's kernels are CUDA kernels."""
-    if value == "flash_attention_2":
-        return ["kernels.attention: flash_attention_2 needs a CUDA GPU; use sdpa on CPU"]
+    if value in ("flash_attention_2", "flash_attn_4"):
+        return [f"kernels.attention: {value} needs a CUDA GPU; use sdpa on CPU"]
     return []
 
 

@@ -72,13 +72,16 @@ class DataConfig:
 class KernelsConfig:
     liger: Literal["auto", "on", "off"] = "auto"
     """Liger fused kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); auto = on with CUDA."""
-    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
-    """auto = flash_attention_2 when installed on compute capability >= 8.0, else sdpa."""
+    attention: Literal["auto", "flash_attention_2", "sdpa", "flash_attn_4", "eager"] = "auto"
+    """auto = flash_attention_2 when installed on compute capability >= 8.0, else sdpa.
+    flash_attn_4 = flash-attn-4's causal kernels for every row (pip install flash-attn-4; Hopper and
+    Blackwell, bf16 / fp16): its dense kernel for rows of one document, its varlen kernel for packed
+    rows; checkpointing.keep_attention keeps its outputs."""
     packed_attention: Literal["auto", "varlen", "per_document", "flash_attn_4", "mask"] = "auto"
     """Attention over rows that pack several documents (model/packed_attention.py): varlen = torch's
     varlen_attn (CUDA, compute capability >= 8.0, torch >= 2.10); per_document = SDPA once per
     document; flash_attn_4 = flash-attn-4's varlen kernel (pip install flash-attn-4; Hopper and
-    Blackwell; not with checkpointing.keep_attention); mask = transformers' dense [seq x seq]
+    Blackwell); mask = transformers' dense [seq x seq]
     block mask (slow; for comparison). auto picks per GPU generation by measurement (docs/memory.md);
     flash_attention_2 reads the document boundaries itself. Rows of one document always take
     the single-sequence kernel."""

@@ -122,7 +122,7 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         host_grad_buffer=r.host_grad_buffer.value, copy_back=r.copy_back.value,
         # packed rows build a [seq x seq] mask only under kernels.packed_attention: mask
         block_mask=r.packed_attention.value == "mask" and cfg.data.pack and cfg.data.source != "random",
-        flash_attn_4=r.packed_attention.value == "flash_attn_4",
+        flash_attn_4="flash_attn_4" in (r.packed_attention.value, r.attention.value),
         lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.target_modules),
         quantize=cfg.lora.quantize if cfg.lora.rank > 0 else "none", optimizer=cfg.optim.name,
         sequence_parallel=cfg.hardware.sequence_parallel)

@@ -132,9 +132,7 @@ def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | 
 
     g = fewest_kept(arch, s, host_mem_gib)
     k = 0
-    # flash-attn-4's kernels are not torch ops: keep_attention cannot keep them (hardware/packed_policy.py)
-    if (s.checkpointing in ("gpu", "cpu_offload") and fused_kernel(s.attention, s.sdpa_backend)
-            and not s.flash_attn_4):
+    if s.checkpointing in ("gpu", "cpu_offload") and fused_kernel(s.attention, s.sdpa_backend):
         k = max(0, _largest(lambda n: gpu_ok(gpu_layers=g, keep_attention=n), 0, L))
     if s.checkpointing == "cpu_offload":
         g = max(g, _largest(lambda n: gpu_ok(gpu_layers=n, keep_attention=k), g, L))

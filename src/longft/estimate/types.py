@@ -80,7 +80,7 @@ class Setup:
     world_size: int = 1
     ranks_per_node: int = 1
     precision: str = "bf16"          # bf16 | fp16 | fp32
-    attention: str = "sdpa"          # flash_attention_2 | sdpa | eager
+    attention: str = "sdpa"          # flash_attention_2 | sdpa | flash_attn_4 | eager
     sdpa_backend: str = "default"    # default | flash | cudnn | efficient | math
     liger: bool = True
     checkpointing: str = "gpu"       # none | gpu | cpu_offload
@@ -108,7 +108,7 @@ class Setup:
     copy_back: str = "deepspeed"     # deepspeed (its own copy) | chunked (engine/param_copy_back.py)
     block_mask: bool = False         # packed rows under transformers' dense [s x s] block mask
                                      # (kernels.packed_attention: mask; per-document attention has none)
-    flash_attn_4: bool = False       # kernels.packed_attention flash_attn_4 (its host runtime)
+    flash_attn_4: bool = False       # flash-attn-4's kernels run (its host runtime)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     quantize: str = "none"           # LoRA's frozen base linears: none | nf4 | int8 (bitsandbytes)
@@ -137,8 +137,9 @@ class Setup:
             p.append(f"device {self.device!r} is not cuda or cpu")
         if self.precision not in ("bf16", "fp16", "fp32"):
             p.append(f"precision {self.precision!r} is not bf16, fp16 or fp32")
-        if self.attention not in ("flash_attention_2", "sdpa", "eager"):
-            p.append(f"attention {self.attention!r} is not flash_attention_2, sdpa or eager")
+        if self.attention not in ("flash_attention_2", "sdpa", "flash_attn_4", "eager"):
+            p.append(f"attention {self.attention!r} is not flash_attention_2, sdpa, flash_attn_4 "
+                     "or eager")
         if self.sdpa_backend not in ("default", "flash", "cudnn", "efficient", "math"):
             p.append(f"sdpa_backend {self.sdpa_backend!r} is not default, flash, cudnn, efficient or math")
         if self.checkpointing not in ("none", "gpu", "cpu_offload"):

@@ -15,23 +15,21 @@ def packed_rows(cfg: Config) -> bool:
 
 
 PER_DOCUMENT_FROM = 32768
-"""On Hopper without flash-attn-4 (or with checkpointing.keep_attention), packed rows of at least
-this many tokens run cuDNN SDPA per document (on cuDNN's ragged path, model/packed_attention.py);
-shorter ones run torch's varlen_attn. The boundary is where per document overtook varlen end to
-end on the H200; with flash-attn-4 installed, auto takes its kernel at every length instead. The
-measurements: BENCHMARKS.md and bench/LOG.md ("Packed rows of real-shaped documents")."""
+"""On Hopper without flash-attn-4, packed rows of at least this many tokens run cuDNN SDPA per
+document (on cuDNN's ragged path, model/packed_attention.py); shorter ones run torch's varlen_attn.
+The boundary is where per document overtook varlen end to end on the H200; with flash-attn-4
+installed, auto takes its kernel at every length instead. The measurements: BENCHMARKS.md and
+bench/LOG.md ("Packed rows of real-shaped documents")."""
 
 
 def flash_attn_4_auto(cfg: Config, hw: Hardware, precision: str) -> tuple[bool, str | None]:
     """(whether auto runs packed rows on flash-attn-4, why not where it is installed on a GPU of
     compute capability >= 9.0 but passed by: None otherwise). auto takes it on Hopper (9.x, where
     it was measured; Blackwell takes it when asked), in bf16 or fp16, on rows that pack several
-    documents, without keep_attention (which cannot keep its outputs)."""
+    documents."""
     if not (packed_rows(cfg) and hw.device == "cuda" and hw.flash_attn_4 and hw.capability is not None
             and hw.capability >= (9, 0) and cfg.kernels.packed_attention in ("auto", "flash_attn_4")):
         return False, None
-    if cfg.checkpointing.keep_attention:
-        return False, "checkpointing.keep_attention cannot keep its outputs"
     if precision not in ("bf16", "fp16"):
         return False, f"it runs bf16 / fp16, not {precision}"
     if hw.capability[0] != 9:
@@ -43,32 +41,28 @@ LONGFT_KERNELS = ("varlen", "per_document", "flash_attn_4")
 """kernels.packed_attention values that are longft's attention function (model/packed_attention.py)."""
 
 
-def flash_attn_4_problems(cfg: Config, hw: Hardware, device: str, precision: str) -> list[str]:
-    """Why kernels.packed_attention flash_attn_4 cannot run here ([] = it can)."""
+def flash_attn_4_problems(hw: Hardware, device: str, precision: str,
+                          key: str = "kernels.packed_attention") -> list[str]:
+    """Why flash-attn-4's kernels cannot run here ([] = they can); `key` is the knob that asked."""
     out = []
     if precision not in ("bf16", "fp16"):
-        out.append(f"kernels.packed_attention: flash_attn_4 runs bf16 or fp16, not {precision}; "
-                   "set precision: auto (bf16) or kernels.packed_attention: auto")
+        out.append(f"{key}: flash_attn_4 runs bf16 or fp16, not {precision}; "
+                   f"set precision: auto (bf16) or {key}: auto")
     if device != "cuda" or hw.capability is None or hw.capability < (9, 0):
         where = "no CUDA GPU" if device != "cuda" else f"{hw.gpu_name} is {hw.capability_text}"
-        out.append("kernels.packed_attention: flash_attn_4 needs a Hopper or Blackwell GPU "
+        out.append(f"{key}: flash_attn_4 needs a Hopper or Blackwell GPU "
                    f"(compute capability >= 9.0; {where}); use auto")
     elif not hw.flash_attn_4:
-        out.append("kernels.packed_attention: flash_attn_4 needs the flash-attn-4 package "
+        out.append(f"{key}: flash_attn_4 needs the flash-attn-4 package "
                    "(pip install flash-attn-4; flash_attn.cute is not importable here); use auto")
-    if cfg.checkpointing.keep_attention:
-        out.append("checkpointing.keep_attention cannot keep flash-attn-4's outputs (its kernels "
-                   "are not torch ops); set checkpointing.keep_attention: 0 or "
-                   "kernels.packed_attention: auto")
     return out
 
 
 def resolve_packed_attention(cfg: Config, hw: Hardware, device: str, attention: str,
                              precision: str = "bf16") -> tuple[Choice, list[str]]:
     """How attention runs over rows that pack several documents (model/packed_attention.py).
-    auto, by measurement (PER_DOCUMENT_FROM): on Hopper flash-attn-4's varlen kernel
-    where it is installed (not with keep_attention, which cannot keep its outputs), else cuDNN
-    SDPA per document from 32K-token rows and torch's varlen_attn below; varlen_attn on Ampere
+    auto, by measurement (PER_DOCUMENT_FROM): on Hopper flash-attn-4's varlen kernel where it is
+    installed, else cuDNN SDPA per document from 32K-token rows and torch's varlen_attn below; varlen_attn on Ampere
     (its flash kernel is the fast one there; unmeasured on an Ampere card); SDPA per document on a
     V100 (the memory-efficient kernel; varlen_attn needs >= 8.0) and on CPU."""
     pa, cap_s = cfg.kernels.packed_attention, hw.capability_text
@@ -76,6 +70,14 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str, attention: 
     if not packed_rows(cfg):
         why = "data.pack is false" if not cfg.data.pack else "random rows"
         return Choice("none", f"{why}: one document a row, the single-sequence kernel"), []
+    if attention == "flash_attn_4":
+        if pa in ("auto", "flash_attn_4"):
+            return Choice("flash_attn_4", "kernels.attention flash_attn_4: its varlen kernel, from "
+                          "the document boundaries"), []
+        return Choice(pa, "set in params"), [
+            f"kernels.packed_attention: {pa} with kernels.attention flash_attn_4, which runs packed "
+            "rows with its own varlen kernel; set kernels.packed_attention: auto or "
+            "kernels.attention: sdpa"]
     if attention == "flash_attention_2":
         if pa in LONGFT_KERNELS:
             return Choice("flash_attention_2", "set in params"), [
@@ -101,15 +103,15 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str, attention: 
             return Choice("flash_attn_4", f"auto: capability {cap_s}, flash-attn-4 installed: its "
                           "varlen kernel (H200, 1B: 49,447 tok/s at 16K against 40,872 with "
                           "varlen_attn; 18,311 at 128K against 14,575 with cuDNN per document)"), []
-        unkept = f" (flash-attn-4 is installed, but {passed_by})" if passed_by else ""
+        passed = f" (flash-attn-4 is installed, but {passed_by})" if passed_by else ""
         if hopper and (seq >= PER_DOCUMENT_FROM or not varlen_ok):
             return Choice("per_document", f"auto: capability {cap_s}, rows of {seq:,} tokens: "
                           "cuDNN SDPA per document, ragged plans (H200, 128K: 14,575 tok/s "
-                          "against 11,695 with varlen_attn; 32K: 34,598 against 33,008)" + unkept), []
+                          "against 11,695 with varlen_attn; 32K: 34,598 against 33,008)" + passed), []
         if hopper:
             return Choice("varlen", f"auto: capability {cap_s}, rows of {seq:,} < "
                           f"{PER_DOCUMENT_FROM:,} tokens: torch's varlen_attn (H200, 16K: 39,669 "
-                          "tok/s against 38,114 with cuDNN per document)" + unkept), []
+                          "tok/s against 38,114 with cuDNN per document)" + passed), []
         if varlen_ok:
             return Choice("varlen", f"auto: capability {cap_s}: torch's varlen_attn (the flash "
                           "kernel, one call for every document)"), []
@@ -118,7 +120,7 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str, attention: 
                       + ("" if not hw.ampere or hw.varlen_attn else
                          " (this torch has no varlen_attn)")), []
     if pa == "flash_attn_4":
-        return Choice(pa, "set in params"), flash_attn_4_problems(cfg, hw, device, precision)
+        return Choice(pa, "set in params"), flash_attn_4_problems(hw, device, precision)
     if pa == "varlen" and not varlen_ok:
         why = ("a CUDA GPU" if device != "cuda" else f"compute capability >= 8.0 ({hw.gpu_name} "
                f"is {cap_s})" if not hw.ampere else "torch >= 2.10 (torch.nn.attention.varlen)")

@@ -18,6 +18,7 @@ from longft.hardware.machine import Hardware
 from longft.hardware.packed_policy import (
     LONGFT_KERNELS,
     flash_attn_4_auto,
+    flash_attn_4_problems,
     packed_rows,
     resolve_packed_attention,
 )
@@ -138,9 +139,9 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
             return Choice("eager", f"auto: {cap}, which SDPA ignores; eager attention applies it "
                           "(it builds [seq x seq] scores, so memory grows with the square of the "
                           "sequence: flash-attn on compute capability >= 8.0 avoids that)"), []
-        if a == "sdpa":
+        if a in ("sdpa", "flash_attn_4"):
             return Choice(a, "set in params"), [
-                f"kernels.attention: sdpa cannot apply this model's attention logit softcapping "
+                f"kernels.attention: {a} cannot apply this model's attention logit softcapping "
                 f"(attn_logit_softcapping {softcap:g}): it would train a different model; set "
                 "kernels.attention: auto, eager or flash_attention_2"]
     if a == "auto":
@@ -163,7 +164,9 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
                                   "PyTorch SDPA (memory-efficient kernel)"), []
         return Choice("sdpa", "auto: CPU; PyTorch SDPA"), []
     problems: list[str] = []
-    if a == "flash_attention_2":
+    if a == "flash_attn_4":
+        problems = flash_attn_4_problems(hw, device, precision, "kernels.attention")
+    elif a == "flash_attention_2":
         if device != "cuda":
             problems = cpu_rules.attention(a)
         elif hw.capability is not None and hw.capability < (8, 0):

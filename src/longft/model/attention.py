@@ -44,6 +44,6 @@ def expand_kv_heads() -> None:
 
 def fused_kernel(implementation: str | None, sdpa_backend: str) -> bool:
     """Whether attention runs on a fused kernel whose outputs `checkpointing.keep_attention` can
-    keep: flash_attention_2, or SDPA with any first choice but the math path."""
-    return implementation == "flash_attention_2" or (implementation == "sdpa"
-                                                     and sdpa_backend != "math")
+    keep: flash_attention_2, flash_attn_4, or SDPA with any first choice but the math path."""
+    return implementation in ("flash_attention_2", "flash_attn_4") or (
+        implementation == "sdpa" and sdpa_backend != "math")

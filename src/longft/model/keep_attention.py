@@ -23,12 +23,16 @@ from torch.utils._pytree import tree_map_only
 
 def kernel_ops() -> set:
     """The attention kernels whose outputs are kept: SDPA's fused kernels (CUDA and CPU), torch's
-    varlen_attn (packed rows, model/packed_attention.py) and flash-attn's, where flash-attn
-    registers them as torch ops (2.7 and later)."""
+    varlen_attn (packed rows, model/packed_attention.py), flash-attn-4's as longft registers them
+    (model/flash_attn_4_op.py) and flash-attn's, where flash-attn registers them as torch ops (2.7
+    and later)."""
+    from longft.model import flash_attn_4_op  # registers longft::fa4_forward
+
     aten = torch.ops.aten
     names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    ops.add(flash_attn_4_op.fa4_forward._opoverload)
     try:
         import importlib
 

@@ -233,6 +233,12 @@ def check_context_length(model_config, max_seq_length: int, name: str) -> None:
             f"config.json)")
 
 
+def transformers_attention(attention: str) -> str:
+    """The attn_implementation transformers builds the model with for a resolved kernels.attention:
+    flash_attn_4 is longft's attention function, installed over SDPA by model/patches.py."""
+    return "sdpa" if attention == "flash_attn_4" else attention
+
+
 def build_model(mc: ModelConfig, attn_implementation: str, dtype):
     """Instantiate the causal LM: random init from its config, or weights via from_pretrained.
 
@@ -241,6 +247,7 @@ def build_model(mc: ModelConfig, attn_implementation: str, dtype):
     """
     from transformers import AutoModelForCausalLM
 
+    attn_implementation = transformers_attention(attn_implementation)
     if mc.source == "random":
         config = load_model_config(mc)
         config._attn_implementation = attn_implementation

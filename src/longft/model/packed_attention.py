@@ -18,16 +18,17 @@ as its own causal sequence from the document boundaries:
   which cuDNN runs such calls through its ragged-offset path with the lengths rounded up to powers
   of two in the plan key, so a handful of plans serve every document (unless the environment
   already sets the variable; PyTorch reads it once, at the process's first cuDNN attention call).
-- `flash_attn_4`: flash-attn-4's `flash_attn_varlen_func` (the `flash-attn-4` package, CuTe DSL
-  kernels for Hopper and Blackwell): one call for all documents, like varlen. Its kernels are not
-  torch ops, so checkpointing.keep_attention cannot keep their outputs (the policy refuses the pair).
+- `flash_attn_4`: flash-attn-4's varlen kernel (the `flash-attn-4` package, CuTe DSL kernels for
+  Hopper and Blackwell): one call for all documents, like varlen. longft runs it as a torch op
+  (model/flash_attn_4_op.py), so checkpointing.keep_attention keeps its outputs.
 
 The boundaries are worked out once per micro-batch (`batch_kwargs`, from the position ids) and
 reach every layer as the `cu_seq_lens_q` / `max_length_q` keyword arguments, the names
 transformers' flash-attention path reads too: with `kernels.attention: flash_attention_2` the same
 keywords select flash-attn's variable-length kernel, and no mask is built either. A micro-batch
-whose rows each hold one document (`cu_seq_lens_q` absent) takes the plain single-sequence path
-(SDPA `is_causal`, the fastest kernel there is).
+whose rows each hold one document (`cu_seq_lens_q` absent) takes the single-sequence path: SDPA
+`is_causal`, or flash-attn-4's dense causal kernel where `kernels.attention` is flash_attn_4
+(`install(..., single_documents=True)`).
 """
 
 from __future__ import annotations
@@ -57,14 +58,16 @@ def varlen_available() -> bool:
 
 
 @lru_cache(maxsize=None)
-def flash_attn_4_function():
-    """flash-attn-4's flash_attn_varlen_func, or None where the package is missing or cannot load
-    (its CuTe DSL needs the nvidia-cutlass-dsl libraries for this CUDA)."""
+def flash_attn_4_available() -> bool:
+    """Whether flash-attn-4's kernels can load here (the package, and the nvidia-cutlass-dsl
+    libraries for this CUDA that its CuTe DSL needs)."""
     try:
-        from flash_attn.cute import flash_attn_varlen_func
+        from longft.model import flash_attn_4_op
+
+        flash_attn_4_op.kernels()
     except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries missing
-        return None
-    return flash_attn_varlen_func
+        return False
+    return True
 
 
 def boundaries(position_ids):
@@ -168,19 +171,22 @@ def varlen(module, query, key, value, cu, longest: int, scaling):
     return out.view(b, s, h, d)
 
 
-def flash_attn_4(module, query, key, value, cu, longest: int, scaling):
-    """flash-attn-4's varlen kernel over all documents at once (fewer K/V heads than query heads
-    taken as they are); [b, s, heads, d]."""
-    fn = flash_attn_4_function()
-    if fn is None:
+def flash_attn_4(module, query, key, value, cu, longest: int | None, scaling):
+    """flash-attn-4's causal kernel (model/flash_attn_4_op.py; fewer K/V heads than query heads
+    taken as they are): with `cu`, its varlen kernel over all documents at once; without, its
+    dense kernel over each row as one document. [b, s, heads, d]."""
+    if not flash_attn_4_available():
         raise PackedAttentionError(
-            "kernels.packed_attention flash_attn_4 needs the flash-attn-4 package (pip install "
-            "flash-attn-4 on a Hopper or Blackwell GPU); set kernels.packed_attention: auto")
+            "flash_attn_4 attention needs the flash-attn-4 package (pip install flash-attn-4 on a "
+            "Hopper or Blackwell GPU); set kernels.attention and kernels.packed_attention: auto")
+    from longft.model.flash_attn_4_op import attention
+
     b, h, s, d = query.shape
-    q, k, v = _tokens(query), _tokens(key), _tokens(value)
-    out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
-             softmax_scale=scaling, causal=True)
-    out = out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
+    if scaling is None:
+        scaling = d ** -0.5
+    if cu is None:
+        return attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling)
+    out = attention(_tokens(query), _tokens(key), _tokens(value), scaling, cu, longest)
     return out.view(b, s, h, d)
 
 
@@ -207,10 +213,13 @@ def _refuse_what_it_cannot_apply(query, cu_seq_lens_q, max_length_q, kwargs) -> 
             "kernels.attention: flash_attention_2), or data.max_seq_length <= the window")
 
 
-def make_forward(kernel: str):
-    """The attention function registered as NAME for `kernel` (one of KERNELS)."""
+def make_forward(kernel: str, single_documents: bool = False):
+    """The attention function registered as NAME for `kernel` (one of KERNELS); with
+    `single_documents` (flash_attn_4 only), rows of one document run its dense kernel too."""
     if kernel not in KERNELS:
         raise ValueError(f"packed attention kernel must be one of {KERNELS}, got {kernel!r}")
+    if single_documents and kernel != "flash_attn_4":
+        raise ValueError(f"single_documents is flash_attn_4's, not {kernel!r}'s")
 
     def forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                 is_causal=None, cu_seq_lens_q=None, max_length_q=None, **kwargs):
@@ -219,6 +228,8 @@ def make_forward(kernel: str):
                                "attention takes document boundaries, not masks")
         _refuse_what_it_cannot_apply(query, cu_seq_lens_q, max_length_q, kwargs)
         if cu_seq_lens_q is None:  # one document a row: the single-sequence kernel
+            if single_documents and query.is_cuda and not dropout:
+                return flash_attn_4(module, query, key, value, None, None, scaling), None
             return _sdpa()(module, query, key, value, None, dropout=dropout, scaling=scaling,
                            is_causal=is_causal)
         if kernel == "varlen" and query.is_cuda and not dropout:
@@ -228,7 +239,7 @@ def make_forward(kernel: str):
                                 scaling), None
         return per_document(module, query, key, value, cu_seq_lens_q, dropout, scaling), None
 
-    forward.kernel = kernel
+    forward.kernel, forward.single_documents = kernel, single_documents
     return forward
 
 
@@ -237,25 +248,27 @@ def cudnn_ragged() -> str | None:
     return os.environ.get(CUDNN_RAGGED_ENV)
 
 
-def install(model, kernel: str) -> None:
+def install(model, kernel: str, single_documents: bool = False) -> None:
     """Register NAME for `kernel` and make `model` use it (its config._attn_implementation);
     per_document also turns on CUDNN_RAGGED_ENV unless the environment sets it already;
-    flash_attn_4 refuses to install where flash-attn-4 cannot be imported."""
+    flash_attn_4 refuses to install where flash-attn-4 cannot be loaded. `single_documents`
+    (kernels.attention flash_attn_4): rows of one document run flash-attn-4 too."""
     from transformers import AttentionInterface
 
     if kernel == "per_document":
         os.environ.setdefault(CUDNN_RAGGED_ENV, "1")
-    if kernel == "flash_attn_4" and flash_attn_4_function() is None:
+    if kernel == "flash_attn_4" and not flash_attn_4_available():
         raise PackedAttentionError(
-            "kernels.packed_attention flash_attn_4: flash_attn.cute (the flash-attn-4 package) "
-            "cannot be imported here; pip install flash-attn-4 or set kernels.packed_attention: auto")
+            "flash_attn_4 attention: flash_attn.cute (the flash-attn-4 package) cannot be loaded "
+            "here; pip install flash-attn-4, or set kernels.attention and kernels.packed_attention: auto")
 
     dropout = getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0
     if kernel in ("varlen", "flash_attn_4") and dropout > 0:
         print(f"longft: notice: the model's attention_dropout is {dropout:g}; {kernel} has no "
-              "dropout, so packed rows run SDPA per document while training (exact, slower); "
-              "set the model's attention_dropout to 0 for the one-call kernel", flush=True)
-    AttentionInterface.register(NAME, make_forward(kernel))
+              "dropout, so packed rows run SDPA per document while training (exact, slower)"
+              + (" and single documents SDPA" if single_documents else "")
+              + "; set the model's attention_dropout to 0 for the one-call kernel", flush=True)
+    AttentionInterface.register(NAME, make_forward(kernel, single_documents))
     for m in model.modules():  # the model and its sub-configs (one for a decoder-only LM)
         cfg = getattr(m, "config", None)
         if cfg is not None and getattr(cfg, "_attn_implementation", None) == "sdpa":

@@ -84,16 +84,18 @@ def apply_resolved(model, resolved: Resolved, cfg: Config) -> dict:
                  sdpa_backend=resolved.sdpa_backend.value, tiled_mlp=resolved.tiled_mlp.value,
                  tile_tokens=cfg.kernels.tiled_mlp_tokens,
                  keep_attention=cfg.checkpointing.keep_attention,
-                 packed=resolved.packed_attention.value)
+                 packed=resolved.packed_attention.value, attention_kernel=resolved.attention.value)
 
 
 def apply(model, *, liger: bool, checkpointing: str, sdpa_backend: str = "default",
           tiled_mlp: bool = False, tile_tokens: int = 8192, keep_attention: int = 0,
-          packed: str = "none") -> dict:
+          packed: str = "none", attention_kernel: str = "sdpa") -> dict:
     """Patch `model` in place; return the record of what was actually replaced. The knobs are the
     resolved values (`apply_resolved` reads them from the plan). `packed` is the resolved
     kernels.packed_attention: varlen / per_document / flash_attn_4 install longft's per-document
-    attention (model/packed_attention.py); the other values leave attention as it is."""
+    attention (model/packed_attention.py); the other values leave attention as it is.
+    `attention_kernel` is the resolved kernels.attention: flash_attn_4 installs flash-attn-4 for
+    every row."""
     _check_softcap(model, packed)
     if liger:
         apply_liger(model)
@@ -107,7 +109,9 @@ def apply(model, *, liger: bool, checkpointing: str, sdpa_backend: str = "defaul
         # Non-reentrant: works with transformers 5 layers that return tensors, and with ZeRO-3.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     kept = _keep_attention(model, checkpointing, keep_attention, sdpa_backend)
-    if packed in packed_attention.KERNELS:
+    if attention_kernel == "flash_attn_4":
+        packed_attention.install(model, "flash_attn_4", single_documents=True)
+    elif packed in packed_attention.KERNELS:
         packed_attention.install(model, packed)
     return {
         "liger": liger,

@@ -12,7 +12,7 @@ from longft.estimate.estimator import estimate_for_plan
 from longft.hardware import nvme
 from longft.model import patches as patch
 from longft.model.architecture import architecture
-from longft.model.loading import check_context_length, load_model_config
+from longft.model.loading import check_context_length, load_model_config, transformers_attention
 
 
 def meta_model(model_config, attention: str, trust_remote_code: bool = False):
@@ -22,7 +22,8 @@ def meta_model(model_config, attention: str, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, attn_implementation=attention,
+        return AutoModelForCausalLM.from_config(model_config,
+                                                attn_implementation=transformers_attention(attention),
                                                 trust_remote_code=trust_remote_code)
 
 
