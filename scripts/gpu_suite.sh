@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_suite.sh [--no-tests] [overlay.yaml ...] [--grid GRID.yaml ...] \
 #       [--max-context-args "ARGS"] [--max-context overlay.yaml GiB ...] [--pytest "ARGS" ...] [--cmd "COMMAND" ...]
+#   bash scripts/gpu_suite.sh --unpack-fa4libs    # only unpack .fa4libs (flash-attn-4, below)
 #
 # Without --no-tests, every gpu-marked test runs first; the items after it run in the order given.
 # --grid: every row of a sweep grid (bench/grids/), in the grid's order, as an overlay (`longft
@@ -18,14 +19,54 @@
 #
 # On the project's GPU machine (no package index there), first build the missing wheels here with
 # `../shared/device/wheels.sh .whl`, carry .whl, and this script installs them into /tmp/site.
+# flash-attn-4 (flash_attn.cute) takes two calls, its libraries being too big to travel with the
+# rest: build .fa4 and .fa4libs here with scripts/fa4_payload.sh; call 1 carries .fa4libs and runs
+# `bash scripts/gpu_suite.sh --unpack-fa4libs` (unpacks .fa4libs/libs.tar.xz to /tmp/fa4libs, then
+# exits); call 2, on the still warm machine, carries .whl and .fa4 and runs the suite, which
+# installs .fa4/*.whl into /tmp/site, copies /tmp/fa4libs over it and puts /tmp/site and
+# /tmp/site/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH (the .pth file that would add the
+# latter is not read from a PYTHONPATH folder).
 # Results: $OUT/results/<row>.json (OUT defaults to ./gpu-out), test log: $OUT/gpu_tests.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# flash-attn-4 is set up only where there is a GPU (nvidia-smi), not where the tests run this
+# script on a CPU machine (whose checkout may hold .fa4 and .fa4libs too). Its CUDA-13 libraries
+# (nvidia-cutlass-dsl-libs-cu13's files, as in site-packages) are unpacked by a call of their own
+# (--unpack-fa4libs) or by this one; into a folder beside, renamed when complete, so that an
+# interrupted unpack leaves no half of it behind.
+gpu=$(command -v nvidia-smi || true)
+if [ ! -d /tmp/fa4libs ] && [ -f .fa4libs/libs.tar.xz ] \
+    && { [ -n "$gpu" ] || [ "${1:-}" = "--unpack-fa4libs" ]; }; then
+  rm -rf /tmp/fa4libs.part && mkdir -p /tmp/fa4libs.part
+  { tar -xJf .fa4libs/libs.tar.xz -C /tmp/fa4libs.part \
+      || python3 -m tarfile -e .fa4libs/libs.tar.xz /tmp/fa4libs.part; } \
+    && mv /tmp/fa4libs.part /tmp/fa4libs || { echo "gpu_suite: cannot unpack .fa4libs/libs.tar.xz" >&2; exit 1; }
+fi
+if [ "${1:-}" = "--unpack-fa4libs" ]; then
+  [ -d /tmp/fa4libs ] || { echo "gpu_suite: --unpack-fa4libs: no .fa4libs/libs.tar.xz here" >&2; exit 1; }
+  du -sh /tmp/fa4libs
+  exit 0
+fi
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/results"
 if [ -d .whl ] && ! python3 -c "import deepspeed" >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
+fi
+# flash-attn-4 after .whl (pip --target skips a top-level folder that exists, such as bin/, and
+# .whl's should win): its wheels, then the libraries over them, then the DSL's own import root
+fa4_path=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+if [ -n "$gpu" ] && [ -d .fa4 ] && ! PYTHONPATH=$fa4_path:${PYTHONPATH:-} python3 -c "import flash_attn.cute" >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fa4/*.whl || exit 1
+  if [ -d /tmp/fa4libs ]; then
+    cp -a /tmp/fa4libs/. /tmp/site/ || exit 1
+  else
+    echo "gpu_suite: /tmp/fa4libs is missing (carry .fa4libs first, with --unpack-fa4libs):" \
+      "flash_attn.cute will not import" >&2
+  fi
+fi
+if [ -n "$gpu" ] && [ -d .fa4 ]; then
+  export PYTHONPATH=$fa4_path:${PYTHONPATH:-}
 fi
 # hardware.bind_cores runs the ranks under numactl, which the GPU machine lacks: Debian's numactl
 # and libnuma1 packages carried in .whl (`apt-get download numactl libnuma1`) are unpacked here
