@@ -95,17 +95,23 @@ def test_flash_attn_4_runs_only_where_it_can():
     assert resolve(from_dict({}), dataclasses.replace(h200, flash_attn_4=False),
                    "llama")["packed_attention"].value == "varlen"
     assert resolve(from_dict({}), a100, "llama")["packed_attention"].value == "varlen"
-    # flash-attn 2 installed too: auto attention gives packed rows to flash-attn-4 (sdpa), but only
-    # where flash-attn-4 will run them
+    # auto attention on Hopper with flash-attn-4 installed: flash-attn-4 for every row (measured
+    # faster than cuDNN's single-sequence kernel too), also beside flash-attn 2; packed rows on its
+    # varlen kernel, said so; flash-attn 2 where flash-attn-4 is missing
     both = dataclasses.replace(h200, flash_attn=True)
-    r = resolve(from_dict({}), both, "llama")
-    assert (r["attention"].value, r["packed_attention"].value) == ("sdpa", "flash_attn_4")
-    assert "flash-attn-4 installed" in r["attention"].reason
-    assert resolve(from_dict({"checkpointing": {"keep_attention": 4}}), both,
-                   "llama")["attention"].value == "sdpa"
-    assert resolve(from_dict({"data": {"pack": False}}), both, "llama")["attention"].value == "flash_attention_2"
+    for hw in (h200, both):
+        for params in ({}, {"checkpointing": {"keep_attention": 4}}, {"data": {"pack": False}}):
+            r = resolve(from_dict(params), hw, "llama")
+            assert r["attention"].value == "flash_attn_4" and "1.13-1.23x cuDNN" in r["attention"].reason
+            packed = "none" if params == {"data": {"pack": False}} else "flash_attn_4"
+            assert r["packed_attention"].value == packed, params
+    assert "49,447" in resolve(from_dict({}), h200, "llama")["packed_attention"].reason
     assert resolve(from_dict({}), dataclasses.replace(both, flash_attn_4=False),
                    "llama")["attention"].value == "flash_attention_2"
+    # fp32 and Blackwell: not auto's (below); packed rows pinned to another kernel keep SDPA
+    for params, hw in (({"precision": "fp32"}, h200), ({}, dataclasses.replace(h200, capability=(10, 0))),
+                       ({"kernels": {"packed_attention": "varlen"}}, h200)):
+        assert resolve(from_dict(params), hw, "llama")["attention"].value == "sdpa", params
     # a pinned longft kernel with flash-attn 2 installed: auto attention makes way for it
     pin = resolve(from_dict({"kernels": {"packed_attention": "per_document"}}), both, "llama")
     assert (pin["attention"].value, pin["packed_attention"].value) == ("sdpa", "per_document")

@@ -37,6 +37,11 @@ def flash_attn_4_auto(cfg: Config, hw: Hardware, precision: str) -> tuple[bool, 
     return True, None
 
 
+FA4_MEASURED = ("H200, 1B: 49,447 tok/s at 16K against 40,872 with varlen_attn; 18,311 at 128K "
+                "against 14,575 with cuDNN per document")
+"""What auto's choice of flash-attn-4 for packed rows stands on (BENCHMARKS.md)."""
+
+
 LONGFT_KERNELS = ("varlen", "per_document", "flash_attn_4")
 """kernels.packed_attention values that are longft's attention function (model/packed_attention.py)."""
 
@@ -71,9 +76,11 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str, attention: 
         why = "data.pack is false" if not cfg.data.pack else "random rows"
         return Choice("none", f"{why}: one document a row, the single-sequence kernel"), []
     if attention == "flash_attn_4":
-        if pa in ("auto", "flash_attn_4"):
+        if pa == "flash_attn_4":
+            return Choice(pa, "set in params"), []
+        if pa == "auto":
             return Choice("flash_attn_4", "kernels.attention flash_attn_4: its varlen kernel, from "
-                          "the document boundaries"), []
+                          f"the document boundaries ({FA4_MEASURED})"), []
         return Choice(pa, "set in params"), [
             f"kernels.packed_attention: {pa} with kernels.attention flash_attn_4, which runs packed "
             "rows with its own varlen kernel; set kernels.packed_attention: auto or "
@@ -101,8 +108,7 @@ def resolve_packed_attention(cfg: Config, hw: Hardware, device: str, attention: 
         fa4, passed_by = flash_attn_4_auto(cfg, hw, precision)
         if fa4:
             return Choice("flash_attn_4", f"auto: capability {cap_s}, flash-attn-4 installed: its "
-                          "varlen kernel (H200, 1B: 49,447 tok/s at 16K against 40,872 with "
-                          "varlen_attn; 18,311 at 128K against 14,575 with cuDNN per document)"), []
+                          f"varlen kernel ({FA4_MEASURED})"), []
         passed = f" (flash-attn-4 is installed, but {passed_by})" if passed_by else ""
         if hopper and (seq >= PER_DOCUMENT_FROM or not varlen_ok):
             return Choice("per_document", f"auto: capability {cap_s}, rows of {seq:,} tokens: "

@@ -124,7 +124,8 @@ def resolve_precision(cfg: Config, hw: Hardware, device: str) -> tuple[Choice, l
 
 def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | None = None,
                       precision: str = "bf16") -> tuple[Choice, list[str]]:
-    """auto: FlashAttention-2 where flash-attn is installed on compute capability >= 8.0, else SDPA.
+    """auto: flash-attn-4 where it is installed on Hopper (flash_attn_4_everywhere); FlashAttention-2
+    where flash-attn is installed on compute capability >= 8.0; else SDPA.
     A model that softcaps its attention logits (Gemma 2: attn_logit_softcapping) needs a kernel
     that applies the cap, which SDPA (and longft's packed attention over it) cannot: auto takes
     FlashAttention-2 where it runs, else eager, and says so; a pinned sdpa is refused."""
@@ -146,6 +147,10 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
                 "kernels.attention: auto, eager or flash_attention_2"]
     if a == "auto":
         pinned = cfg.kernels.packed_attention
+        if flash_attn_4_everywhere(cfg, hw, device, precision):
+            return Choice("flash_attn_4", f"auto: capability {cap_s}, flash-attn-4 installed: its "
+                          "kernels for every row (H200, forward + backward: 1.13-1.23x cuDNN SDPA "
+                          "at 16K-128K; W2 40,213 tok/s against 38,009)"), []
         if fa2 and packed_rows(cfg) and pinned in LONGFT_KERNELS:
             return Choice("sdpa", f"auto: kernels.packed_attention {pinned} is longft's attention "
                           "function, which takes the place of SDPA"), []
@@ -176,6 +181,16 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
             problems = ["kernels.attention: flash_attention_2 asked for but flash-attn is not "
                         "installed; `pip install longft[flash]` (the Ampere image has it) or use sdpa"]
     return Choice(a, "set in params"), problems
+
+
+def flash_attn_4_everywhere(cfg: Config, hw: Hardware, device: str, precision: str) -> bool:
+    """Whether kernels.attention auto runs every row on flash-attn-4: installed on Hopper (9.x,
+    where it was measured; Blackwell takes it when asked), in bf16 / fp16, unless packed rows are
+    pinned to another kernel (bench/results/attention-kernel-probe.json, BENCHMARKS.md)."""
+    pinned = cfg.kernels.packed_attention
+    return (device == "cuda" and hw.flash_attn_4 and hw.capability is not None
+            and hw.capability[0] == 9 and precision in ("bf16", "fp16")
+            and (not packed_rows(cfg) or pinned in ("auto", "flash_attn_4")))
 
 
 def resolve_sdpa_backend(cfg: Config, hw: Hardware, device: str,

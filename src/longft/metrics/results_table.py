@@ -62,6 +62,10 @@ CURRENT = (
     Current("reference B's workload at B's memory", "h200-1b-16k-offload-w2mem", "B"),
     Current("the same, its allocator capped (a 53.6 GiB card)", "h200-1b-16k-offload-w2mem-cap",
             "B"),
+    Current("reference B's workload at B's memory, flash-attn-4 kept", "h200-1b-16k-offload-w2mem-fa4",
+            "B"),
+    Current("the same, its allocator capped (a 53.6 GiB card)", "h200-1b-16k-offload-w2mem-fa4-cap",
+            "B"),
     Current("B's memory, `longft placement`'s fastest placement (its own micro-batch)",
             "h200-1b-16k-w2mem-fastest"),
     Current("the same placement on ZeRO-2", "h200-1b-16k-w2mem-fastest-zero2"),
@@ -74,6 +78,7 @@ CURRENT = (
     Current("reference C's workload on a 48 GiB card with 118 GiB of RAM, emulated",
             "h200-8b-128k-cap48", "C"),
     Current("the same, packed documents", "h200-8b-128k-ratio-packed-chunked"),
+    Current("the same, flash-attn-4 kept", "h200-8b-128k-ratio-packed-fa4"),
     Current("LoRA rank 8, no offload", "q3-8b-128k-lora8"),
     Current("a 24 GiB card with 60 GiB of RAM, emulated: QLoRA, packed documents",
             "h200-8b-qlora-32k-cap24"),
@@ -138,6 +143,8 @@ def _setup(doc: dict) -> str:
         parts.append(f"layer checkpoints on the CPU ({ck.get('gpu_layers')} on the GPU)")
     if ck.get("keep_attention"):
         parts.append(f"keep_attention {ck['keep_attention']}")
+    if (doc.get("env") or {}).get("attention") == "flash_attn_4" and not p["data"].get("pack"):
+        parts.append("flash-attn-4")
     if p["data"].get("pack"):
         parts.append(f"packed ({_packed_kernel(doc)})")
     if doc.get("plan") and Resolved.from_dict(doc["plan"]["resolved"]).copy_back.value == "chunked":
