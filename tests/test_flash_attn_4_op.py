@@ -147,6 +147,49 @@ def test_registrations_pass_torch_opcheck(ref):
     torch.library.opcheck(fa4op.fa4_forward._opoverload, (qt, kt, vt, cu, 19, 0.3))
 
 
+def test_fake_kernels_describe_transposed_inputs_too(ref):
+    """The single-document path hands the op q / k / v as transposed views of [b, h, s, d]
+    tensors; `attention` makes them contiguous, so the fake kernels' strides are the real ones
+    (opcheck with gradients on)."""
+    q, k, v = (t.detach().float().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+               for t in _qkv())  # [b, s, h, d] shapes over [b, h, s, d] memory
+    assert not q.is_contiguous()
+    qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(fa4op.fa4_forward._opoverload, (qc, kc, vc, None, None, 0.3))
+    out = fa4op.attention(q, k, v, 0.3)
+    assert out.is_contiguous() and out.shape == q.shape
+
+
+def test_the_attention_function_lays_rows_out_for_the_op(ref, monkeypatch):
+    """pa.flash_attn_4, as transformers calls it ([b, heads, s, d] in, [b, s, heads, d] out): one
+    document a row (no boundaries) and packed rows (cu_seqlens) each equal SDPA on every
+    document alone, output and gradients."""
+    monkeypatch.setattr(pa, "flash_attn_4_available", lambda: True)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 20, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 20, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+
+    def sdpa(a, b, c):  # [b, h, s, d] -> [b, s, h, d]
+        return F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=0.2,
+                                              enable_gqa=True).transpose(1, 2)
+
+    cu = torch.tensor([0, 6, 20, 31, 40], dtype=torch.int32)
+    for bounds, longest in ((None, None), (cu, 14)):
+        out = pa.flash_attn_4(None, q, k, v, bounds, longest, 0.2)
+        if bounds is None:
+            want = sdpa(q, k, v)
+        else:  # documents [0, 6) and [6, 20) in row 0, [0, 11) and [11, 20) in row 1
+            want = torch.cat([torch.cat([sdpa(q[r:r + 1, :, i:j], k[r:r + 1, :, i:j], v[r:r + 1, :, i:j])
+                                         for i, j in spans], 1)
+                              for r, spans in ((0, ((0, 6), (6, 20))), (1, ((0, 11), (11, 20))))])
+        assert out.shape == (2, 20, 4, 8)
+        torch.testing.assert_close(out, want)
+        w = torch.randn_like(out)
+        for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)),
+                        torch.autograd.grad((want * w).sum(), (q, k, v))):
+            torch.testing.assert_close(a, b)
+
+
 def _layer(x, wq, wk, wv):
     """A checkpointed 'layer': projections, flash-attn-4's op, a non-linearity."""
     b, s, _ = x.shape

@@ -248,3 +248,38 @@ def test_attention_flash_attn_4_runs_every_row_on_it_where_it_can():
         with pytest.raises(PlanError, match=msg):
             resolve(from_dict(params), hw, "llama", softcap)
 
+
+
+def test_auto_leaves_flash_attn_4_where_it_would_train_another_model_or_was_not_asked():
+    """kernels.attention auto does not take flash-attn-4 for a model whose sliding window is
+    shorter than a row (longft's attention function does not apply it; a pin is refused, naming
+    the window) nor where kernels.sdpa_backend is pinned; the window comes from the model's config
+    (Mistral's sliding_window, Qwen2's only with use_sliding_window)."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from longft.model.patches import attention_window
+
+    h200 = Hardware(device="cuda", gpu_name="NVIDIA H200", gpu_count=1, capability=(9, 0),
+                    gpu_mem_gib=139.8, host_mem_gib=125.9, varlen_attn=True, flash_attn_4=True)
+    assert attention_window(MistralConfig(sliding_window=4096)) == 4096
+    assert attention_window(MistralConfig(sliding_window=None)) is None
+    assert attention_window(Qwen2Config(sliding_window=4096, use_sliding_window=False)) is None
+    long = {"data": {"max_seq_length": 16384, "pack": False}}
+    assert resolve(from_dict(long), h200, "mistral", window=4096)["attention"].value == "sdpa"
+    assert resolve(from_dict(long), h200, "mistral", window=16384)["attention"].value == "flash_attn_4"
+    with pytest.raises(PlanError, match=r"cannot apply the model's sliding window \(4096 tokens\)"):
+        resolve(from_dict({**long, "kernels": {"attention": "flash_attn_4"}}), h200, "mistral", window=4096)
+    pinned = resolve(from_dict({**long, "kernels": {"sdpa_backend": "flash"}}), h200, "llama")
+    assert (pinned["attention"].value, pinned["sdpa_backend"].value) == ("sdpa", "flash")
+
+
+def test_detect_passes_by_a_flash_attn_4_that_does_not_load(monkeypatch, capsys):
+    """flash-attn-4 installed without its CUTLASS DSL libraries for this CUDA: detect() on a
+    Hopper GPU calls it missing (so auto does not take it and fail at the first run) and says why."""
+    import sys
+
+    from longft.hardware import machine
+
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import raises ImportError
+    assert machine.flash_attn_4_loads() is False
+    assert "flash-attn-4 is installed but does not load (ModuleNotFoundError" in capsys.readouterr().out

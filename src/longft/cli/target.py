@@ -41,10 +41,11 @@ def resolve_on_gpu(cfg, hw, model_type: str) -> tuple[dict, list[str]]:
     # hardware.sequence_parallel must divide the model's heads (refused here as in the patch stage)
     from longft.model.architecture import architecture
     from longft.model.loading import load_model_config
-    from longft.model.patches import attention_softcap
+    from longft.model.patches import attention_softcap, attention_window
 
     mc = load_model_config(cfg.model)
     arch = architecture(mc)
     choices = resolve(c, target, model_type, attention_softcap(mc),
-                      (arch["num_attention_heads"], arch["num_key_value_heads"]))
+                      (arch["num_attention_heads"], arch["num_key_value_heads"]),
+                      window=attention_window(mc))
     return {k: ch.value for k, ch in choices.items()}, notes

@@ -63,7 +63,8 @@ class Resolved:
     precision: Choice[str]
     """bf16 | fp16 | fp32."""
     attention: Choice[str]
-    """The attn_implementation: flash_attention_2 | sdpa | eager."""
+    """kernels.attention: flash_attention_2 | sdpa | flash_attn_4 | eager (flash_attn_4 builds on
+    sdpa and installs longft's attention function over it)."""
     sdpa_backend: Choice[str]
     """The pinned SDPA kernel order: default (PyTorch's own) | flash | cudnn | efficient | math."""
     packed_attention: Choice[str]

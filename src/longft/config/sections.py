@@ -73,7 +73,9 @@ class KernelsConfig:
     liger: Literal["auto", "on", "off"] = "auto"
     """Liger fused kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); auto = on with CUDA."""
     attention: Literal["auto", "flash_attention_2", "sdpa", "flash_attn_4", "eager"] = "auto"
-    """auto = flash_attention_2 when installed on compute capability >= 8.0, else sdpa.
+    """auto = flash_attn_4 where flash-attn-4 is installed on Hopper (bf16 / fp16; not with a pinned
+    sdpa_backend, another pinned packed kernel or a sliding window shorter than a row), else
+    flash_attention_2 when installed on compute capability >= 8.0, else sdpa.
     flash_attn_4 = flash-attn-4's causal kernels for every row (pip install flash-attn-4; Hopper and
     Blackwell, bf16 / fp16): its dense kernel for rows of one document, its varlen kernel for packed
     rows; checkpointing.keep_attention keeps its outputs."""

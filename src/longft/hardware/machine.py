@@ -65,6 +65,19 @@ def flash_attn_packages() -> dict[str, bool]:
             "flash_attn_4": "flash-attn-4" in who and _has("flash_attn.cute")}
 
 
+def flash_attn_4_loads() -> bool:
+    """Whether flash-attn-4 imports, not only is installed: its CuTe DSL needs the
+    nvidia-cutlass-dsl libraries for this CUDA, and an install without them would otherwise be
+    taken by kernels.attention auto and fail at the first run. Says why where it does not."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to load means: not usable here
+        print(f"longft: notice: flash-attn-4 is installed but does not load ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); attention runs without it", flush=True)
+        return False
+    return True
+
+
 def detect() -> Hardware:
     """Look at the real machine (no CUDA context is kept if there is no GPU)."""
     import psutil
@@ -77,6 +90,8 @@ def detect() -> Hardware:
                   varlen_attn=importlib.util.find_spec("torch.nn.attention.varlen") is not None)
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         p = torch.cuda.get_device_properties(0)
+        if common["flash_attn_4"] and p.major >= 9:  # where auto may take it: it must load
+            common["flash_attn_4"] = flash_attn_4_loads()
         return Hardware(device="cuda", gpu_name=p.name, gpu_count=torch.cuda.device_count(),
                         capability=(p.major, p.minor), gpu_mem_gib=round(p.total_memory / 2**30, 1),
                         **common)

@@ -38,7 +38,8 @@ class PlanError(ConfigError):
 
 
 def resolve(cfg: Config, hw: Hardware, model_type: str,
-            softcap: float | None = None, heads: tuple[int, int] | None = None) -> dict[str, Choice]:
+            softcap: float | None = None, heads: tuple[int, int] | None = None, *,
+            window: int | None = None) -> dict[str, Choice]:
     """Resolve every knob for `hw`, in order; raise PlanError listing every problem at once.
     softcap: the model's attention logit softcapping (model.patches.attention_softcap), which
     the attention kernel must apply; heads: its (attention, key/value) head counts, which
@@ -55,7 +56,7 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     problems.extend(check_num_gpus(cfg, hw, device))
     precision = put("precision", resolve_precision(cfg, hw, device))
     problems.extend(check_optimizer_states(cfg, precision))
-    attention = put("attention", resolve_attention(cfg, hw, device, softcap, precision))
+    attention = put("attention", resolve_attention(cfg, hw, device, softcap, precision, window=window))
     put("sdpa_backend", resolve_sdpa_backend(cfg, hw, device, attention))
     packed = put("packed_attention", resolve_packed_attention(cfg, hw, device, attention, precision))
     problems.extend(ulysses_rules.problems(cfg, attention, packed, *(heads or (None, None))))
@@ -123,7 +124,7 @@ def resolve_precision(cfg: Config, hw: Hardware, device: str) -> tuple[Choice, l
 
 
 def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | None = None,
-                      precision: str = "bf16") -> tuple[Choice, list[str]]:
+                      precision: str = "bf16", *, window: int | None = None) -> tuple[Choice, list[str]]:
     """auto: flash-attn-4 where it is installed on Hopper (flash_attn_4_everywhere); FlashAttention-2
     where flash-attn is installed on compute capability >= 8.0; else SDPA.
     A model that softcaps its attention logits (Gemma 2: attn_logit_softcapping) needs a kernel
@@ -147,7 +148,7 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
                 "kernels.attention: auto, eager or flash_attention_2"]
     if a == "auto":
         pinned = cfg.kernels.packed_attention
-        if flash_attn_4_everywhere(cfg, hw, device, precision):
+        if flash_attn_4_everywhere(cfg, hw, device, precision, window=window):
             return Choice("flash_attn_4", f"auto: capability {cap_s}, flash-attn-4 installed: its "
                           "kernels for every row (H200, forward + backward: 1.13-1.23x cuDNN SDPA "
                           "at 16K-128K; W2 40,213 tok/s against 38,009)"), []
@@ -171,6 +172,10 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
     problems: list[str] = []
     if a == "flash_attn_4":
         problems = flash_attn_4_problems(hw, device, precision, "kernels.attention")
+        if window and window < cfg.data.max_seq_length:
+            problems.append(f"kernels.attention: flash_attn_4 cannot apply the model's sliding window "
+                            f"({window} tokens) to rows of {cfg.data.max_seq_length} tokens: it would "
+                            "train a different model; set kernels.attention: sdpa (or auto)")
     elif a == "flash_attention_2":
         if device != "cuda":
             problems = cpu_rules.attention(a)
@@ -183,13 +188,17 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
     return Choice(a, "set in params"), problems
 
 
-def flash_attn_4_everywhere(cfg: Config, hw: Hardware, device: str, precision: str) -> bool:
+def flash_attn_4_everywhere(cfg: Config, hw: Hardware, device: str, precision: str, *,
+                            window: int | None = None) -> bool:
     """Whether kernels.attention auto runs every row on flash-attn-4: installed on Hopper (9.x,
-    where it was measured; Blackwell takes it when asked), in bf16 / fp16, unless packed rows are
-    pinned to another kernel (bench/results/attention-kernel-probe.json, BENCHMARKS.md)."""
+    where it was measured; Blackwell takes it when asked), in bf16 / fp16, unless SDPA's backend or
+    packed rows' kernel is pinned, or the model's sliding window is shorter than a row (longft's
+    attention function does not apply it). Measured: bench/results/attention-kernel-probe.json."""
     pinned = cfg.kernels.packed_attention
     return (device == "cuda" and hw.flash_attn_4 and hw.capability is not None
             and hw.capability[0] == 9 and precision in ("bf16", "fp16")
+            and cfg.kernels.sdpa_backend == "auto"
+            and not (window and window < cfg.data.max_seq_length)
             and (not packed_rows(cfg) or pinned in ("auto", "flash_attn_4")))
 
 

@@ -49,9 +49,10 @@ def fa4_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None,
 
 @fa4_forward.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])  # a fresh contiguous tensor, as the kernel's
     if cu_seqlens is None:  # [b, s, h, d]; lse [b, h, s]
-        return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
-    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        return out, q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("longft::fa4_backward", mutates_args=())
@@ -66,7 +67,7 @@ def fa4_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
 
 @fa4_backward.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 def _setup_context(ctx, inputs, output):
@@ -88,6 +89,8 @@ fa4_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, cu_seqlens: Tensor | None = None,
               max_seqlen: int | None = None) -> Tensor:
-    """Causal attention through flash-attn-4's kernels; the output has q's shape."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    """Causal attention through flash-attn-4's kernels; the output has q's shape. q / k / v are
+    made contiguous (a no-op for the layout the Llama projections leave), so the ops' fake kernels
+    (torch.compile, meta tensors) describe the real outputs' strides."""
+    q, k, v = (t.contiguous() for t in (q, k, v))
     return fa4_forward(q, k, v, cu_seqlens, max_seqlen, float(softmax_scale))[0]

@@ -178,7 +178,7 @@ def flash_attn_4(module, query, key, value, cu, longest: int | None, scaling):
     if not flash_attn_4_available():
         raise PackedAttentionError(
             "flash_attn_4 attention needs the flash-attn-4 package (pip install flash-attn-4 on a "
-            "Hopper or Blackwell GPU); set kernels.attention and kernels.packed_attention: auto")
+            "Hopper or Blackwell GPU); set kernels.attention: sdpa and kernels.packed_attention: auto")
     from longft.model.flash_attn_4_op import attention
 
     b, h, s, d = query.shape
@@ -260,7 +260,8 @@ def install(model, kernel: str, single_documents: bool = False) -> None:
     if kernel == "flash_attn_4" and not flash_attn_4_available():
         raise PackedAttentionError(
             "flash_attn_4 attention: flash_attn.cute (the flash-attn-4 package) cannot be loaded "
-            "here; pip install flash-attn-4, or set kernels.attention and kernels.packed_attention: auto")
+            "here; pip install flash-attn-4 (with its nvidia-cutlass-dsl libraries for this CUDA), "
+            "or set kernels.attention: sdpa and kernels.packed_attention: auto")
 
     dropout = getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0
     if kernel in ("varlen", "flash_attn_4") and dropout > 0:

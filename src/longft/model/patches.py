@@ -48,6 +48,17 @@ def apply_liger(model) -> None:
                                     cross_entropy=False, fused_linear_cross_entropy=True)
 
 
+def attention_window(model_config) -> int | None:
+    """The model's sliding attention window in tokens (Mistral v0.1, Gemma 3's local layers, Qwen2
+    with use_sliding_window), or None: flash-attn-4 through longft's attention function does not
+    apply it, transformers' own SDPA path does (with its mask)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    window = getattr(text, "sliding_window", None)
+    if getattr(text, "use_sliding_window", True) is False:
+        return None
+    return int(window) if isinstance(window, int) and window > 0 else None
+
+
 def attention_softcap(model_config) -> float | None:
     """The model's attention logit softcapping (Gemma 2: attn_logit_softcapping = 50), or None.
     scores = cap * tanh(scores / cap) before the softmax: eager and FlashAttention-2 apply it;
@@ -146,7 +157,8 @@ def _keep_attention(model, checkpointing: str, n: int, sdpa_backend: str = "defa
     if not attention.fused_kernel(impl, sdpa_backend):
         what = "sdpa_backend math" if impl == "sdpa" else impl
         raise PatchError(f"checkpointing.keep_attention needs a fused attention kernel (kernels."
-                         f"attention sdpa with sdpa_backend other than math, or flash_attention_2) "
+                         f"attention sdpa with sdpa_backend other than math, flash_attn_4 or "
+                         f"flash_attention_2) "
                          f"whose outputs can be kept, not {what}; set it to 0 or change the kernel")
     from longft.model.keep_attention import flash_attn_ops, keep_outputs
 

@@ -59,7 +59,8 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     check_context_length(mc, cfg.data.max_seq_length, cfg.model.name)
     arch = architecture(mc)
     choices = hardware.resolve(cfg, hw, mc.model_type, patch.attention_softcap(mc),
-                               (arch["num_attention_heads"], arch["num_key_value_heads"]))
+                               (arch["num_attention_heads"], arch["num_key_value_heads"]),
+                               window=patch.attention_window(mc))
     precision = choices["precision"].value
     model = meta_model(mc, choices["attention"].value, cfg.model.trust_remote_code)
     try:
