@@ -1,6 +1,7 @@
-"""How attention runs over rows that pack several documents (kernels.packed_attention), by GPU
+"""How attention runs over rows that pack several documents (kernels.packed_attention), and where
+flash-attn-4 runs (it also takes rows of one document: kernels.attention flash_attn_4), by GPU
 generation and by what was measured (BENCHMARKS.md; bench/LOG.md, "Packed rows"); the kernels are in
-model/packed_attention.py. hardware/policy.py calls it in its knob order."""
+model/packed_attention.py and model/flash_attn_4_op.py. hardware/policy.py calls it in its knob order."""
 
 from __future__ import annotations
 
@@ -44,6 +45,20 @@ FA4_MEASURED = ("H200, 1B: 49,447 tok/s at 16K against 40,872 with varlen_attn; 
 
 LONGFT_KERNELS = ("varlen", "per_document", "flash_attn_4")
 """kernels.packed_attention values that are longft's attention function (model/packed_attention.py)."""
+
+
+def flash_attn_4_everywhere(cfg: Config, hw: Hardware, device: str, precision: str, *,
+                            window: int | None = None) -> bool:
+    """Whether kernels.attention auto runs every row on flash-attn-4: installed on Hopper (9.x,
+    where it was measured; Blackwell takes it when asked), in bf16 / fp16, unless SDPA's backend or
+    packed rows' kernel is pinned, or the model's sliding window is shorter than a row (longft's
+    attention function does not apply it). Measured: bench/results/attention-kernel-probe.json."""
+    pinned = cfg.kernels.packed_attention
+    return (device == "cuda" and hw.flash_attn_4 and hw.capability is not None
+            and hw.capability[0] == 9 and precision in ("bf16", "fp16")
+            and cfg.kernels.sdpa_backend == "auto"
+            and not (window and window < cfg.data.max_seq_length)
+            and (not packed_rows(cfg) or pinned in ("auto", "flash_attn_4")))
 
 
 def flash_attn_4_problems(hw: Hardware, device: str, precision: str,

@@ -18,6 +18,7 @@ from longft.hardware.machine import Hardware
 from longft.hardware.packed_policy import (
     LONGFT_KERNELS,
     flash_attn_4_auto,
+    flash_attn_4_everywhere,
     flash_attn_4_problems,
     packed_rows,
     resolve_packed_attention,
@@ -186,20 +187,6 @@ def resolve_attention(cfg: Config, hw: Hardware, device: str, softcap: float | N
             problems = ["kernels.attention: flash_attention_2 asked for but flash-attn is not "
                         "installed; `pip install longft[flash]` (the Ampere image has it) or use sdpa"]
     return Choice(a, "set in params"), problems
-
-
-def flash_attn_4_everywhere(cfg: Config, hw: Hardware, device: str, precision: str, *,
-                            window: int | None = None) -> bool:
-    """Whether kernels.attention auto runs every row on flash-attn-4: installed on Hopper (9.x,
-    where it was measured; Blackwell takes it when asked), in bf16 / fp16, unless SDPA's backend or
-    packed rows' kernel is pinned, or the model's sliding window is shorter than a row (longft's
-    attention function does not apply it). Measured: bench/results/attention-kernel-probe.json."""
-    pinned = cfg.kernels.packed_attention
-    return (device == "cuda" and hw.flash_attn_4 and hw.capability is not None
-            and hw.capability[0] == 9 and precision in ("bf16", "fp16")
-            and cfg.kernels.sdpa_backend == "auto"
-            and not (window and window < cfg.data.max_seq_length)
-            and (not packed_rows(cfg) or pinned in ("auto", "flash_attn_4")))
 
 
 def resolve_sdpa_backend(cfg: Config, hw: Hardware, device: str,
