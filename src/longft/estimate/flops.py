@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional
 
-from longft.model.architecture import attention_dims
+from longft.model.architecture import attention_dims, text_config
 
 _CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "vocab_size")
@@ -42,8 +42,7 @@ _CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "in
 
 def _config_numbers(cfg: Any) -> dict[str, int]:
     """Read the architecture numbers from a transformers PretrainedConfig or a plain dict."""
-    if hasattr(cfg, "get_text_config"):  # multimodal configs nest the language model's numbers
-        cfg = cfg.get_text_config()
+    cfg = text_config(cfg)  # multimodal configs nest the language model's numbers
     if isinstance(cfg, Mapping):
         get = cfg.get
     else:

@@ -20,6 +20,11 @@ def attention_dims(hidden_size: int, num_attention_heads: int, head_dim: Optiona
     return d, kv
 
 
+def text_config(model_config):
+    """The language model's config: a multimodal config's nested text config, else the config."""
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
 def architecture(model_config) -> dict:
     """ARCH_KEYS of a transformers config (None where it has no such attribute), with head_dim and
     num_key_value_heads filled in by `attention_dims` (plan.json's model_config)."""

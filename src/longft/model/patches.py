@@ -15,6 +15,7 @@ from longft.config.plan import Resolved
 from longft.config.sections import Config
 from longft.errors import UserError
 from longft.model import attention, packed_attention
+from longft.model.architecture import text_config
 from longft.model.tiled_mlp import decoder_layers, skips_recompute
 from longft.model.tiled_mlp import tile_mlps as tiled_mlps
 
@@ -52,7 +53,7 @@ def attention_window(model_config) -> int | None:
     """The model's sliding attention window in tokens (Mistral v0.1, Gemma 3's local layers, Qwen2
     with use_sliding_window), or None: flash-attn-4 through longft's attention function does not
     apply it, transformers' own SDPA path does (with its mask)."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     window = getattr(text, "sliding_window", None)
     if getattr(text, "use_sliding_window", True) is False:
         return None
@@ -63,7 +64,7 @@ def attention_softcap(model_config) -> float | None:
     """The model's attention logit softcapping (Gemma 2: attn_logit_softcapping = 50), or None.
     scores = cap * tanh(scores / cap) before the softmax: eager and FlashAttention-2 apply it;
     SDPA and longft's packed attention (which runs SDPA or varlen_attn) cannot."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     cap = getattr(text, "attn_logit_softcapping", None)
     return float(cap) if isinstance(cap, (int, float)) and cap else None
 
