@@ -340,6 +340,20 @@ def test_offload_ratio_trains_like_full_offload(tmp_path):
     assert env_full["optimizer_groups"] == {"gpu": 0, "host": 6}, env_full["optimizer_groups"]
 
 
+@pytest.mark.parametrize("offload_param", ["none", "cpu"])
+def test_overlap_step_trains_like_deepspeeds_step_on_cuda(tmp_path, offload_param):
+    """zero.overlap_step on: each step's sub-groups update during the next forward, on the GPU
+    (parameters on the GPU through the chunked copy back, or on the host): the losses are those
+    of DeepSpeed's own step (off), and the plan and the log say which ran."""
+    runs = {mode: _losses_of({"zero": {"overlap_step": mode, "offload_param": offload_param}},
+                             tmp_path / mode) for mode in ("off", "on")}
+    (off, env_off), (on, env_on) = runs["off"], runs["on"]
+    assert env_off["overlap_step"] == "off" and env_on["overlap_step"] == "on"
+    assert env_on["zero_knobs"]["stage3_param_persistence_threshold"] == 0
+    assert len(off) == 6 and len(set(off)) == 6
+    assert on == pytest.approx(off, rel=1e-4, abs=1e-5), (off, on)
+
+
 def test_bf16_optimizer_states_depart_little_from_fp32(tmp_path):
     """zero.optimizer_states bf16 (opt-in): the loss curve stays close to fp32 states' over a short
     run; the departure is printed (bench/LOG.md quotes it) and bounded."""

@@ -195,3 +195,33 @@ def test_architecture_reads_every_key():
     assert list(arch) == list(ARCH_KEYS)
     assert (arch["head_dim"], arch["num_key_value_heads"]) == (16, 4)
     assert arch["tie_word_embeddings"] is None and arch["max_position_embeddings"] is None
+
+
+def test_overlap_step_auto_is_on_only_where_it_applies_and_on_is_refused_elsewhere():
+    """zero.overlap_step: auto takes it with a GPU, ZeRO-3, CPU Adam and one process, and drops the
+    persistence threshold to 0 there; elsewhere it is off and says why; `on` where it cannot run
+    is a PlanError that names what is missing and the fix."""
+    from longft.engine import ds_config
+
+    def overlap(over, hw=H200):
+        return resolve(from_dict(over), hw, "llama")["overlap_step"]
+
+    on = overlap({})
+    assert on.value == "on" and "next forward" in on.reason
+    z = ds_config.build(from_dict({}), "bf16", 2048, overlap_step=True)["zero_optimization"]
+    assert z["stage3_param_persistence_threshold"] == 0
+    z = ds_config.build(from_dict({}), "bf16", 2048)["zero_optimization"]
+    assert z["stage3_param_persistence_threshold"] == 20480
+    assert overlap({}, CPU).value == "off" and "a GPU" in overlap({}, CPU).reason
+    for over, missing in (({"zero": {"stage": 2}}, "zero.stage 3"),
+                          ({"zero": {"offload_optimizer": "none"}}, "offload_optimizer: cpu"),
+                          ({"hardware": {"num_gpus": 2}}, "one process")):
+        hw = H200 if "hardware" not in over else Hardware(**{**vars(H200), "gpu_count": 2})
+        off = overlap(over, hw)
+        assert off.value == "off" and missing in off.reason, off
+        with pytest.raises(PlanError, match=f"zero.overlap_step: on .*{missing}.*auto"):
+            overlap({**over, "zero": {**over.get("zero", {}), "overlap_step": "on"}}, hw)
+    kept = overlap({"zero": {"param_persistence_threshold": 100}})
+    assert kept.value == "off" and "persistence" in kept.reason
+    assert overlap({"zero": {"param_persistence_threshold": 100, "overlap_step": "on"}}).value == "on"
+    assert overlap({"zero": {"overlap_step": "off"}}).value == "off"

@@ -25,7 +25,8 @@ def test_v100_resolves_fp16_sdpa():
     assert v == {"device": "cuda", "precision": "fp16", "attention": "sdpa",
                  "sdpa_backend": "efficient", "packed_attention": "per_document", "liger": True,
                  "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full",
-                 "quantize": "none", "copy_back": "chunked"}     # fp32 master on the CPU -> fp16
+                 "quantize": "none", "copy_back": "chunked",     # fp32 master on the CPU -> fp16
+                 "overlap_step": "on"}     # ZeRO-3, CPU Adam, one GPU
 
 
 def test_host_grad_buffer_auto_is_shared_only_where_exact():
@@ -99,7 +100,7 @@ def test_cpu_resolves_bf16_sdpa_no_liger():
     assert v == {"device": "cpu", "precision": "bf16", "attention": "sdpa",
                  "sdpa_backend": "default", "packed_attention": "per_document", "liger": False,
                  "checkpointing": "gpu", "tiled_mlp": False, "host_grad_buffer": "full",
-                 "quantize": "none", "copy_back": "deepspeed"}
+                 "quantize": "none", "copy_back": "deepspeed", "overlap_step": "off"}
 
 
 def test_liger_auto_off_for_unsupported_family():

@@ -1,6 +1,7 @@
 """A few steps of DeepSpeed's own ZeRO-3 with CPU Adam, in a subprocess on the CPU (gloo), with
 longft's optimizer patches on or off: the losses, the final weights' bits and what the patches
-counted. Shared by tests/test_param_copy_back.py and tests/test_clip_scale.py."""
+counted. Shared by tests/test_param_copy_back.py, tests/test_clip_scale.py and
+tests/test_overlap_step.py."""
 
 import json
 import os
@@ -16,8 +17,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 WORKER = textwrap.dedent('''
     import json, sys
     import torch, deepspeed
-    from longft.engine import clip_scale, param_copy_back
+    from longft.engine import clip_scale, overlap_step, param_copy_back
     copy_back, clip_mode, clipping = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    extra = json.loads(sys.argv[4])     # overlap, offload_param, persistence, schedule, evaluate
     param_copy_back.CHUNK_ELEMENTS = 1000            # several chunks a sub-group
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -29,6 +31,13 @@ WORKER = textwrap.dedent('''
                                                     "weight_decay": 0.01}},
           "zero_optimization": {"stage": 3, "sub_group_size": 5000,
                                 "offload_optimizer": {"device": "cpu"}}}
+    if extra.get("offload_param"):
+        ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    if extra.get("persistence") is not None:
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = extra["persistence"]
+    if extra.get("schedule"):                       # the lr moves every step
+        ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                          "warmup_num_steps": 10}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     # on the CPU the partitions are on the host too: let the chunked path take them
     copier = param_copy_back.install(engine.optimizer, devices=("cpu",)) if copy_back == "chunked" else None
@@ -39,28 +48,41 @@ WORKER = textwrap.dedent('''
     engine.optimizer.unscale_and_clip_grads = counted
     if clip_mode == "skip":
         assert clip_scale.install(engine.optimizer)
-    losses = []
+    deferred = overlap_step.install(engine) if extra.get("overlap") else None
+    losses, pending, evals = [], [], []
     for _ in range(3):
         loss = engine(x.bfloat16()).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        pending.append(len(deferred.pending) if deferred else 0)
+        if extra.get("evaluate"):                    # a forward without gradients between steps
+            with torch.no_grad():
+                evals.append(engine(x.bfloat16()).float().pow(2).mean().item())
+    if deferred is not None:
+        deferred.finish()
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         bits = [p.detach().view(torch.int16).view(-1).tolist() for p in model.parameters()]
     print("RESULT " + json.dumps({"losses": losses, "bits": bits, "passes": len(passes),
-                                  "copied": copier.copied if copier else 0}))
+                                  "copied": copier.copied if copier else 0, "pending": pending,
+                                  "evals": evals, "deferred": deferred.deferred if deferred else 0,
+                                  "lrs": [g["lr"] for g in engine.optimizer.param_groups]}))
 ''')
 
 
-def run_zero3(tmp_path, copy_back: str = "deepspeed", clip: str = "own", clipping: float = 1.0) -> dict:
+def run_zero3(tmp_path, copy_back: str = "deepspeed", clip: str = "own", clipping: float = 1.0,
+              **extra) -> dict:
     """copy_back: deepspeed | chunked; clip: own (DeepSpeed's rescaling pass always) | skip
-    (engine/clip_scale.py); clipping: DeepSpeed's gradient_clipping."""
+    (engine/clip_scale.py); clipping: DeepSpeed's gradient_clipping. extra: overlap (True:
+    engine/overlap_step.py), offload_param (True: parameters on the host), persistence
+    (stage3_param_persistence_threshold), schedule (True: a warm-up lr that moves every step),
+    evaluate (True: a forward without gradients after each step)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    p = subprocess.run([sys.executable, str(script), copy_back, clip, str(clipping)],
+    p = subprocess.run([sys.executable, str(script), copy_back, clip, str(clipping), json.dumps(extra)],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))

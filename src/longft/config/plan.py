@@ -10,6 +10,8 @@ versions wrote. A plan from before a knob existed gets what the code did then:
     resolved.tiled_mlp              False      (no tiled MLP)
     resolved.host_grad_buffer       "full"     (DeepSpeed's own host gradient buffer)
     resolved.quantize               "none"     (base weights in the training dtype)
+    resolved.copy_back              "deepspeed" (DeepSpeed's own copy of the updated weights)
+    resolved.overlap_step           "off"      (DeepSpeed's step as it is)
     patches.attention_kept_layers   0          (no attention output kept)
     memory_estimate.estimate        None       (no prediction: the host-RAM check is skipped)
 Anything else missing, of the wrong type or unknown raises one `PlanFileError` that lists every
@@ -85,6 +87,9 @@ class Resolved:
     copy_back: Choice[str]
     """How the ZeRO-3 step brings the updated fp32 master weights from the host into the GPU's
     partitions: chunked (engine/param_copy_back.py) | deepspeed (its own copy)."""
+    overlap_step: Choice[str]
+    """on: the optimizer step's sub-groups update during the next forward (engine/overlap_step.py)
+    | off: DeepSpeed's step as it is."""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "artifacts/plan.json") -> Resolved:
@@ -112,6 +117,7 @@ OLDER_DEFAULTS: Mapping[str, Choice] = MappingProxyType({
     "host_grad_buffer": Choice("full", f"{OLDER}: DeepSpeed's full host gradient buffer"),
     "quantize": Choice("none", f"{OLDER}: base weights in the training dtype"),
     "copy_back": Choice("deepspeed", f"{OLDER}: DeepSpeed's own copy of the updated weights"),
+    "overlap_step": Choice("off", f"{OLDER}: DeepSpeed's step as it is"),
 })
 """The knobs a plan can lack, and what the code did before each existed."""
 

@@ -247,6 +247,14 @@ class ZeroConfig:
     chunks, copied while the next is converted: param_copy_back.py; the same bits). auto =
     chunked wherever it applies (a GPU, ZeRO-3, optimizer on the CPU, parameters on the GPU, 16-bit
     training with fp32 states), else deepspeed."""
+    overlap_step: Literal["auto", "off", "on"] = "auto"
+    """With offload_optimizer cpu (ZeRO-3, one process): `on` runs each step's CPU Adam during the
+    next forward, sub-group by sub-group, each one just before its parameters are fetched
+    (engine/overlap_step.py: DeepSpeed's own update, the same bits); the GPU computes meanwhile
+    instead of waiting for the whole update. It overlaps as many sub-groups as the model has:
+    zero.sub_group_size 1e9 gives a 1B model 2, 1e8 gives it 9. ZeRO-3 then fetches every
+    parameter (param_persistence_threshold null means 0). auto = on wherever it applies on a GPU,
+    off elsewhere; `off` = DeepSpeed's step as it is."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from longft.config.params import Config
+from longft.hardware.step_policy import persistence_threshold
 
 
 def lr_factor(cfg: Config, step: int) -> float:
@@ -71,7 +72,7 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else int(value)
 
 
-def zero_section(cfg: Config, hidden_size: int) -> dict:
+def zero_section(cfg: Config, hidden_size: int, overlap_step: bool = False) -> dict:
     z = cfg.zero
     sec: dict = {"stage": z.stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": True,
                  # Bucket sizes scaled to the model width, as DeepSpeed's "auto" does in HF Trainer
@@ -88,7 +89,7 @@ def zero_section(cfg: Config, hidden_size: int) -> dict:
     if z.stage == 3:
         sec.update({
             "stage3_prefetch_bucket_size": _or(z.prefetch_bucket_size, int(0.9 * hidden_size * hidden_size)),
-            "stage3_param_persistence_threshold": _or(z.param_persistence_threshold, 10 * hidden_size),
+            "stage3_param_persistence_threshold": persistence_threshold(cfg, overlap_step, hidden_size),
             "stage3_max_live_parameters": _or(z.max_live_parameters, int(1e9)),
             "stage3_max_reuse_distance": int(1e9),
             "stage3_gather_16bit_weights_on_model_save": False,
@@ -103,8 +104,8 @@ def zero_section(cfg: Config, hidden_size: int) -> dict:
     return sec
 
 
-def build(cfg: Config, precision: str, hidden_size: int) -> dict:
-    """The full DeepSpeed config for this run."""
+def build(cfg: Config, precision: str, hidden_size: int, *, overlap_step: bool = False) -> dict:
+    """The full DeepSpeed config for this run; overlap_step: zero.overlap_step resolved on."""
     t, o = cfg.train, cfg.optim
     ds = {
         "train_batch_size": t.global_batch_size,
@@ -115,7 +116,7 @@ def build(cfg: Config, precision: str, hidden_size: int) -> dict:
         "steps_per_print": 10**9,  # longft logs itself, on rank 0
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": zero_section(cfg, hidden_size),
+        "zero_optimization": zero_section(cfg, hidden_size, overlap_step),
         "bf16": {"enabled": precision == "bf16",
                  # zero.optimizer_states bf16: master weights, their gradients and Adam m, v in bf16
                  **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}

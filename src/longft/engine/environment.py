@@ -57,6 +57,7 @@ def environment(cfg: Config, plan: Plan, ds: dict | None = None, engine=None) ->
         "cudnn_ragged": packed_attention.cudnn_ragged(),
         "checkpointing": r.checkpointing.value, "liger": r.liger.value,
         "tiled_mlp": r.tiled_mlp.value, "host_grad_buffer": r.host_grad_buffer.value,
+        "overlap_step": r.overlap_step.value,
         "gpu_layers": cfg.checkpointing.gpu_layers, "ckpt_prefetch": cfg.checkpointing.prefetch,
         # the ZeRO bucket / threshold numbers DeepSpeed ran with (zero.* knobs or their defaults)
         "zero_knobs": {k: v for k, v in ((ds or {}).get("zero_optimization") or {}).items()

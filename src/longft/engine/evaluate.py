@@ -86,9 +86,13 @@ class Evaluator:
 
     def periodic(self, engine, step: int, log, stop=None) -> dict | None:
         """After step `step`: evaluate when train.eval_every divides it."""
-        if self.every and step % self.every == 0:
+        if self.due(step):
             return self.run(engine, step, log, stop)
         return None
+
+    def due(self, step: int) -> bool:
+        """Whether `periodic` evaluates after step `step`."""
+        return bool(self.every and step % self.every == 0)
 
     def final(self, engine, step: int, log, stop=None) -> dict | None:
         """After the last step: evaluate unless `periodic` just did."""

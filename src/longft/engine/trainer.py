@@ -22,11 +22,7 @@ from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
 from longft.engine import (
     checkpoint,
-    clip_scale,
     ds_config,
-    grad_buffer,
-    param_copy_back,
-    partial_offload,
     profiling,
     stop,
     train_step,
@@ -46,6 +42,7 @@ from longft.engine.evaluate import Evaluator
 from longft.engine.export import export
 from longft.engine.interrupted import save_step, stop_after
 from longft.engine.optimizer import client_optimizer
+from longft.engine.optimizer_patches import patch_optimizer
 from longft.errors import TrainingError
 from longft.measure import live
 from longft.measure.progress import LayerProgress
@@ -88,6 +85,7 @@ class Session:
     evaluator: Evaluator | None = None  # the held-out split (engine/evaluate.py), None without one
     sp: Any = None  # ulysses.SequenceParallel with hardware.sequence_parallel > 1
     profiler: profiling.StepProfiler = profiling.OFF  # output.profile_steps
+    deferred: Any = None  # overlap_step.DeferredStep with zero.overlap_step on
 
 
 def with_steps(cfg: Config, rows: int) -> Config:
@@ -167,17 +165,6 @@ def _resume(engine, cfg: Config, *, ckpt_dir: Path | None, fp: str, loader, samp
     return start, batches
 
 
-def _share_grad_slot(engine, rank: int) -> None:
-    """zero.host_grad_buffer shared: one host gradient slot for all partitions (grad_buffer.py)."""
-    try:
-        freed = grad_buffer.share(engine.optimizer)
-    except grad_buffer.GradBufferError as e:
-        raise TrainingError(str(e)) from None
-    if rank == 0:
-        print(f"longft: host gradient buffer shared: {freed / 2**30:.2f} GiB of host RAM per rank "
-              "given back (zero.host_grad_buffer)", flush=True)
-
-
 def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | None) -> Session:
     """Everything before the first step: process group, data loader, the model built (ZeRO-3
     partitioned as it is created), patched and handed to DeepSpeed, the resumed state (when
@@ -204,27 +191,7 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
                             sampler=sampler, rank=rank)
     if sp is not None:
         batches = sp.shard(batches, pad_id, engine.device)
-    if plan.resolved.host_grad_buffer.value == "shared":
-        _share_grad_slot(engine, rank)
-    if cfg.zero.offload_ratio < 1:
-        if not partial_offload.follow_schedule(engine.optimizer):
-            # DeepSpeed builds the GPU share's optimizer whenever the ratio is below 1 with CPU
-            # offload; none here means a DeepSpeed whose GPU share would train at the first lr
-            raise TrainingError("zero.offload_ratio < 1 but DeepSpeed's ZeRO-3 optimizer has no "
-                                "backup_optimizer for its GPU share: not the DeepSpeed longft was "
-                                "written for (requirements/common.txt); install it or set "
-                                "zero.offload_ratio: 1.0")
-        if rank == 0:
-            print("longft: zero.offload_ratio: the optimizer's GPU sub-groups follow the LR schedule "
-                  "(DeepSpeed's own GPU AdamW keeps the first step's lr; engine/partial_offload.py)",
-                  flush=True)
-    clip_scale.install(engine.optimizer)    # ZeRO-3's gradient rescaling pass only where it changes a bit
-    if plan.resolved.copy_back.value == "chunked":
-        installed = param_copy_back.install(engine.optimizer)
-        if rank == 0:
-            print("longft: updated weights go to the GPU through pinned chunks (engine/param_copy_back.py)"
-                  if installed else "longft: DeepSpeed's own copy of the updated weights kept: its "
-                  "optimizer is not the ZeRO-3 one engine/param_copy_back.py knows", flush=True)
+    deferred = patch_optimizer(engine, cfg, plan, rank)
     if cuda:
         # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
         # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
@@ -233,7 +200,7 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
         getattr(torch._C, "_host_emptyCache", lambda: None)()
     return Session(engine=engine, model=model, keep=keep, offloader=offloader, batches=batches,
                    pad_id=pad_id, fingerprint=fp, start=start, rank=rank, world=world, cuda=cuda,
-                   evaluator=evaluator, sp=sp)
+                   evaluator=evaluator, sp=sp, deferred=deferred)
 
 
 def _clock(cuda: bool):
@@ -321,12 +288,16 @@ def loop(s: Session, cfg: Config, plan: Plan, *, log: RunLog, ckpt_dir: Path | N
                 last_s = rec.time_s
                 _log_step(s, step, rec, cfg=cfg, plan=plan, log=log, bar=bar)
                 if s.evaluator is not None:
+                    if s.deferred is not None and s.evaluator.due(step):
+                        s.deferred.finish()   # the head is gathered outside the fetches it gates
                     s.evaluator.periodic(s.engine, step, log, asked)
                 saved = _periodic_checkpoint(s, cfg, ckpt_dir, step)
                 if sig := asked():
                     bar.close()
                     stop_after(s.engine, cfg, ckpt_dir=ckpt_dir, step=step, fp=s.fingerprint,
                                saved=saved, signum=sig, log=log, rank=s.rank)
+            if s.deferred is not None:
+                s.deferred.finish()         # the last step's update, before anything reads it
             if s.evaluator is not None:
                 s.evaluator.final(s.engine, step, log, asked)
             if sig := asked():  # during the final evaluation (which it ended)

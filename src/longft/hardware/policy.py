@@ -23,6 +23,7 @@ from longft.hardware.packed_policy import (
     packed_rows,
     resolve_packed_attention,
 )
+from longft.hardware.step_policy import resolve_overlap_step
 
 # Model families whose decoder layers Liger can patch (liger_kernel.transformers.monkey_patch).
 LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
@@ -67,6 +68,7 @@ def resolve(cfg: Config, hw: Hardware, model_type: str,
     put("host_grad_buffer", resolve_host_grad_buffer(cfg, precision))
     put("quantize", resolve_quantize(cfg, precision))
     put("copy_back", resolve_copy_back(cfg, device, precision))
+    put("overlap_step", resolve_overlap_step(cfg, device))
     problems.extend(check_optimizer(cfg))
     problems.extend(check_vram_limit(cfg, hw, device))
     if device == "cpu" and cfg.hardware.device == "auto":
@@ -290,9 +292,8 @@ def resolve_host_grad_buffer(cfg: Config, precision: str) -> tuple[Choice, list[
 
 def resolve_copy_back(cfg: Config, device: str, precision: str) -> tuple[Choice, list[str]]:
     """zero.copy_back: chunked (engine/param_copy_back.py) only where the ZeRO-3 step converts fp32
-    master weights on the host into 16-bit partitions on the GPU (optimizer on the CPU, parameters
-    on the GPU); auto = chunked there (measured on the H200: BENCHMARKS.md), DeepSpeed's own copy
-    elsewhere."""
+    master weights on the host into 16-bit GPU partitions; auto = chunked there (measured), else
+    DeepSpeed's own copy."""
     z = cfg.zero
     stage = 2 if qlora.quantized(cfg) else z.stage
     why_not = why_not_chunked_copy_back(device, stage, z.offload_optimizer, z.offload_param,
@@ -313,8 +314,7 @@ def resolve_copy_back(cfg: Config, device: str, precision: str) -> tuple[Choice,
                   f"into GPU partitions here: chunked needs {', '.join(why_not)})"), []
 
 
-CHUNKED_WHY = ("the step's fp32 master weights go to the GPU through pinned chunks "
-               "(engine/param_copy_back.py)")
+CHUNKED_WHY = "the step's fp32 master weights go to the GPU through pinned chunks (engine/param_copy_back.py)"
 
 
 def why_not_chunked_copy_back(device: str, stage: int, offload_optimizer: bool | str,

@@ -74,7 +74,8 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     else:
         n_trainable = n_params
     states = model_state_bytes(n_params, n_trainable, precision, cfg.zero.optimizer_states)
-    ds = ds_config.build(cfg, precision, arch["hidden_size"])
+    ds = ds_config.build(cfg, precision, arch["hidden_size"],
+                         overlap_step=choices["overlap_step"].value == "on")
     est = estimate_for_plan(cfg, arch, choices, cfg.world_size)
     if cfg.zero.offload_optimizer == "nvme":   # the disk and libaio, before any rank starts
         found = nvme.problems(cfg.zero.nvme_path, est.get("disk", {}).get("bytes", 0))

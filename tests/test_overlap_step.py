@@ -1,0 +1,49 @@
+"""engine/overlap_step.py: DeepSpeed ZeRO-3's sub-group loop left pending by step() and run in the
+next forward, just before each sub-group's parameters are fetched; the weights, the losses and the
+lr are DeepSpeed's own, bit for bit."""
+
+import types
+
+import pytest
+
+from longft.engine import overlap_step
+from zero3_cpu import run_zero3
+
+pytest.importorskip("deepspeed")
+
+
+def test_install_leaves_what_it_does_not_know_alone():
+    assert overlap_step.install(types.SimpleNamespace(optimizer=None)) is None
+    assert overlap_step.install(types.SimpleNamespace(optimizer=object())) is None
+    swapping = types.SimpleNamespace(**{a: None for a in overlap_step.STEP_PARTS}, swap_optimizer=True)
+    assert overlap_step.install(types.SimpleNamespace(optimizer=swapping)) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload_param", [False, True])
+@pytest.mark.parametrize("clipping", [1e6, 1e-3])
+def test_the_deferred_step_trains_deepspeeds_bits(tmp_path, offload_param, clipping):
+    """Parameters fetched (persistence 0), on the GPU's place or on the host, with an lr that
+    moves every step and with and without clipping: each step returns with every sub-group
+    pending, the next forward (with or without gradients) updates them as it fetches, and the
+    losses, the forwards between steps, the final lr and the weights are DeepSpeed's."""
+    kw = dict(clipping=clipping, offload_param=offload_param, persistence=0, schedule=True,
+              evaluate=True)
+    own = run_zero3(tmp_path, **kw)
+    over = run_zero3(tmp_path, overlap=True, **kw)
+    groups = over["pending"][0]
+    assert groups > 2 and over["pending"] == [groups] * 3       # step() left them all pending
+    assert over["deferred"] == 3 * groups
+    assert len(set(own["losses"])) == 3 and own["evals"] != own["losses"]
+    assert over["losses"] == own["losses"] and over["evals"] == own["evals"]
+    assert over["lrs"] == own["lrs"] and over["bits"] == own["bits"]
+
+
+@pytest.mark.slow
+def test_persistent_parameters_are_gathered_after_their_sub_group(tmp_path):
+    """With DeepSpeed's default persistence every small parameter stays gathered and is never
+    fetched: each is gathered again right after its sub-group's update, before the next forward
+    uses it, so the losses are still DeepSpeed's."""
+    own = run_zero3(tmp_path, schedule=True)
+    over = run_zero3(tmp_path, overlap=True, schedule=True)
+    assert over["losses"] == own["losses"] and over["bits"] == own["bits"]
