@@ -252,7 +252,7 @@ class ZeroConfig:
     next forward, sub-group by sub-group, each one just before its parameters are fetched
     (engine/overlap_step.py: DeepSpeed's own update, the same bits); the GPU computes meanwhile
     instead of waiting for the whole update. It overlaps as many sub-groups as the model has:
-    zero.sub_group_size 1e9 gives a 1B model 2, 1e8 gives it 9. ZeRO-3 then fetches every
+    zero.sub_group_size 1e9 gives a 1B model 2, 1e8 gives it 11. ZeRO-3 then fetches every
     parameter (param_persistence_threshold null means 0). auto = on wherever it applies on a GPU,
     off elsewhere; `off` = DeepSpeed's step as it is."""
 

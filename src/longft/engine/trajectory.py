@@ -4,9 +4,9 @@ differences between two of them, named by their param keys.
 
 In the trajectory (a change means a fresh run, never a resume):
 - model, data, kernels, precision, lora, optim: every key;
-- zero: every key but host_grad_buffer, nvme_path and copy_back (where gradients are staged on the
-  host, where NVMe swap files live and how the updated weights are copied change no result; the
-  checkpoint holds the states);
+- zero: every key but host_grad_buffer, nvme_path, copy_back and overlap_step (where gradients are
+  staged on the host, where NVMe swap files live, how the updated weights are copied and when the
+  update runs change no result; the checkpoint holds the states);
 - train: every key but warmup_iterations (steps left out of the timing), log_every and eval_every
   (what is printed and when the held-out loss is measured); iterations and epochs enter as
   `total_steps`, the number of optimizer steps the LR schedule spans (steps or epochs alike);
@@ -30,7 +30,7 @@ from longft.engine.batches import steps_for_epochs
 # The LR schedule is torch's LambdaLR over ds_config.lr_factor since this version; DeepSpeed's
 # WarmupCosineLR state of older checkpoints does not load into it.
 LR_SCHEDULE = "lambda-1"
-_NOT_ZERO = ("host_grad_buffer", "nvme_path", "copy_back")
+_NOT_ZERO = ("host_grad_buffer", "nvme_path", "copy_back", "overlap_step")
 _NOT_TRAIN = ("iterations", "epochs", "warmup_iterations", "log_every", "eval_every")
 
 

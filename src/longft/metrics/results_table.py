@@ -66,6 +66,12 @@ CURRENT = (
             "B"),
     Current("the same, its allocator capped (a 53.6 GiB card)", "h200-1b-16k-offload-w2mem-fa4-cap",
             "B"),
+    Current("the same, DeepSpeed's step as it is (zero.overlap_step off), same lease as the next",
+            "h200-1b-16k-offload-w2mem-fa4-off", "B"),
+    Current("the same, the step overlapped with the next forward (11 sub-groups)",
+            "h200-1b-16k-offload-w2mem-fa4-overlap", "B"),
+    Current("the same, the step overlapped with the next forward (18 sub-groups)",
+            "h200-1b-16k-offload-w2mem-fa4-overlap-5e7", "B"),
     Current("B's memory, `longft placement`'s fastest placement (its own micro-batch)",
             "h200-1b-16k-w2mem-fastest"),
     Current("the same placement on ZeRO-2", "h200-1b-16k-w2mem-fastest-zero2"),
@@ -147,8 +153,11 @@ def _setup(doc: dict) -> str:
         parts.append("flash-attn-4")
     if p["data"].get("pack"):
         parts.append(f"packed ({_packed_kernel(doc)})")
-    if doc.get("plan") and Resolved.from_dict(doc["plan"]["resolved"]).copy_back.value == "chunked":
+    resolved = Resolved.from_dict(doc["plan"]["resolved"]) if doc.get("plan") else None
+    if resolved is not None and resolved.copy_back.value == "chunked":
         parts.append("weights copied back in pinned chunks")
+    if resolved is not None and resolved.overlap_step.value == "on":
+        parts.append("step overlapped with the next forward")
     return ", ".join(parts)
 
 
