@@ -126,6 +126,21 @@ class DeferredStep:
             o._post_step(set())
         finally:
             o.persistent_parameters = persistent
+        _warn_cache_flushes(o)
+
+
+def _warn_cache_flushes(o) -> None:
+    """The allocator-flush warning DeepSpeed's step ends with (a sign of memory pressure)."""
+    import torch
+
+    if not torch.cuda.is_available() or not hasattr(o, "n_caching_allocator_flushes"):
+        return
+    retries = torch.cuda.memory_stats().get("num_alloc_retries") or 0
+    if retries > o.n_caching_allocator_flushes:
+        print(f"longft: {retries - o.n_caching_allocator_flushes} pytorch allocator cache flushes "
+              "since the last step: memory pressure, which costs speed (DeepSpeed's warning)",
+              flush=True)
+        o.n_caching_allocator_flushes = retries
 
 
 def install(engine) -> DeferredStep | None:
