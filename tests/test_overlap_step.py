@@ -47,3 +47,14 @@ def test_persistent_parameters_are_gathered_after_their_sub_group(tmp_path):
     own = run_zero3(tmp_path, schedule=True)
     over = run_zero3(tmp_path, overlap=True, schedule=True)
     assert over["losses"] == own["losses"] and over["bits"] == own["bits"]
+
+
+@pytest.mark.slow
+def test_frozen_layers_are_fetched_without_waiting_and_the_rest_train_deepspeeds_bits(tmp_path):
+    """Frozen weights (a LoRA run's base model) belong to no sub-group: their fetches update
+    nothing, and the trainable layers still train DeepSpeed's bits."""
+    kw = dict(clipping=1e-3, offload_param=True, persistence=0, schedule=True, freeze=2)
+    own = run_zero3(tmp_path, **kw)
+    over = run_zero3(tmp_path, overlap=True, **kw)
+    assert over["pending"][0] >= 2 and len(set(own["losses"])) == 3
+    assert over["losses"] == own["losses"] and over["bits"] == own["bits"]

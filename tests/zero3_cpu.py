@@ -25,6 +25,8 @@ WORKER = textwrap.dedent('''
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
     x = torch.randn(4, 64)
+    for layer in model[:extra.get("freeze", 0)]:      # frozen weights, as LoRA's base model
+        layer.requires_grad_(False)
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "bf16": {"enabled": True}, "gradient_clipping": clipping,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
@@ -38,7 +40,8 @@ WORKER = textwrap.dedent('''
     if extra.get("schedule"):                       # the lr moves every step
         ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                           "warmup_num_steps": 10}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    engine, *_ = deepspeed.initialize(model=model, config=ds,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
     # on the CPU the partitions are on the host too: let the chunked path take them
     copier = param_copy_back.install(engine.optimizer, devices=("cpu",)) if copy_back == "chunked" else None
     own, passes = engine.optimizer.unscale_and_clip_grads, []
@@ -76,7 +79,8 @@ def run_zero3(tmp_path, copy_back: str = "deepspeed", clip: str = "own", clippin
     (engine/clip_scale.py); clipping: DeepSpeed's gradient_clipping. extra: overlap (True:
     engine/overlap_step.py), offload_param (True: parameters on the host), persistence
     (stage3_param_persistence_threshold), schedule (True: a warm-up lr that moves every step),
-    evaluate (True: a forward without gradients after each step)."""
+    evaluate (True: a forward without gradients after each step), freeze (the first N layers
+    frozen)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
