@@ -32,13 +32,14 @@ def patch_optimizer(engine, cfg: Config, plan: Plan, rank: int):
                   "(DeepSpeed's own GPU AdamW keeps the first step's lr; engine/partial_offload.py)",
                   flush=True)
     clip_scale.install(engine.optimizer)    # ZeRO-3's gradient rescaling pass only where it changes a bit
+    installed = None
     if plan.resolved.copy_back.value == "chunked":
         installed = param_copy_back.install(engine.optimizer)
         if rank == 0:
             print("longft: updated weights go to the GPU through pinned chunks (engine/param_copy_back.py)"
                   if installed else "longft: DeepSpeed's own copy of the updated weights kept: its "
                   "optimizer is not the ZeRO-3 one engine/param_copy_back.py knows", flush=True)
-    return _defer_step(engine, rank) if plan.resolved.overlap_step.value == "on" else None
+    return _defer_step(engine, rank, installed) if plan.resolved.overlap_step.value == "on" else None
 
 
 def _share_grad_slot(engine, rank: int) -> None:
@@ -52,9 +53,9 @@ def _share_grad_slot(engine, rank: int) -> None:
               "given back (zero.host_grad_buffer)", flush=True)
 
 
-def _defer_step(engine, rank: int):
+def _defer_step(engine, rank: int, copier=None):
     """zero.overlap_step on: each step's sub-group updates run in the next forward (overlap_step.py)."""
-    deferred = overlap_step.install(engine)
+    deferred = overlap_step.install(engine, copier)
     if deferred is None:
         raise TrainingError("zero.overlap_step: on, but DeepSpeed's optimizer is not the ZeRO-3 one "
                             "engine/overlap_step.py knows (requirements/common.txt pins it); install "

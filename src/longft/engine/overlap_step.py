@@ -42,8 +42,9 @@ class DeferredStep:
     """The sub-groups of the last optimizer step still to update, and the gate that updates them
     before the parameters they hold are fetched."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, copier=None):
         self.opt = optimizer
+        self.copier = copier           # param_copy_back.ChunkedCopyBack, where it is installed
         self.group_of = {id(p): i for i, g in enumerate(optimizer.fp16_groups) for p in g}
         self.persistent = [[p for p in g if getattr(p, "ds_persist", False)]
                            for g in optimizer.fp16_groups]
@@ -71,6 +72,11 @@ class DeferredStep:
         self.hyper = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in o.optimizer.param_groups]
         self.pending = deque(range(len(o.fp16_groups)))
         self.steps += 1
+        if self.copier is not None and torch.cuda.is_available():
+            # the last work that reads the partitions (the backward) is queued by now: the
+            # copy-back waits for it, not for the next forward's layers queued before a sub-group
+            self.copier.after = torch.cuda.Event()
+            self.copier.after.record()
 
     def advance(self, params) -> None:
         """Update, in order, every pending sub-group up to the last one holding one of `params`."""
@@ -126,6 +132,8 @@ class DeferredStep:
             o._post_step(set())
         finally:
             o.persistent_parameters = persistent
+            if self.copier is not None:
+                self.copier.after = None
         _warn_cache_flushes(o)
 
 
@@ -143,9 +151,10 @@ def _warn_cache_flushes(o) -> None:
         o.n_caching_allocator_flushes = retries
 
 
-def install(engine) -> DeferredStep | None:
+def install(engine, copier=None) -> DeferredStep | None:
     """Defer `engine.optimizer`'s sub-group loop into the next forward's parameter fetches, and
-    make `engine.backward` and `engine.save_checkpoint` finish it first. None (nothing changed)
+    make `engine.backward` and `engine.save_checkpoint` finish it first; `copier`: the chunked
+    copy-back installed on the same optimizer (param_copy_back.install), if any. None (nothing changed)
     for an optimizer that is not DeepSpeed's ZeRO-3 one with its sub-groups on the host or the GPU
     (NVMe swapping is left to DeepSpeed)."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
@@ -159,7 +168,7 @@ def install(engine) -> DeferredStep | None:
     fetch, gather = getattr(coordinator, "fetch_sub_module", None), getattr(coordinator, GATHER, None)
     if fetch is None or gather is None:
         return None
-    d = DeferredStep(o)
+    d = DeferredStep(o, copier)
 
     def fetch_sub_module(module, forward):
         if d.pending:

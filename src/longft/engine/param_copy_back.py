@@ -38,6 +38,7 @@ class ChunkedCopyBack:
         self.bufs: dict = {}            # dtype -> [(buffer, event of the copy that read it last)]
         self.turns: dict = {}           # dtype -> the next buffer of its ring to reuse
         self.copied = 0                 # elements copied back (for tests and logs)
+        self.after = None               # an event: wait for it only, not for all queued work
 
     def _buffer(self, dtype):
         import torch
@@ -57,7 +58,9 @@ class ChunkedCopyBack:
     def copy(self, dst, src) -> None:
         """dst (16-bit, on the GPU or the host) <- src (fp32 on the host), as dst.copy_(src). On the
         GPU the compute stream waits for the copies, the CPU does not: `wait()` before anything
-        else (another stream, the host) reads dst."""
+        else (another stream, the host) reads dst. The copies start after the work queued on the
+        compute stream so far, or, with `after` set (overlap_step.py: the step's end, the last work
+        that read these partitions), after that event only: not behind a forward queued since."""
         import torch
 
         dst, src = dst.view(-1), src.view(-1)
@@ -68,7 +71,10 @@ class ChunkedCopyBack:
             if self.stream is None:
                 self.stream = torch.cuda.Stream(device=dst.device)
             main = torch.cuda.current_stream(dst.device)
-            self.stream.wait_stream(main)   # queued work may still read the partition
+            if self.after is not None:      # only work queued before `after` reads the partition
+                self.stream.wait_event(self.after)
+            else:                           # queued work may still read the partition
+                self.stream.wait_stream(main)
         ring = self.bufs.setdefault(dst.dtype, [])
         for off in range(0, src.numel(), self.chunk):
             m = min(self.chunk, src.numel() - off)
