@@ -42,9 +42,10 @@ class DeferredStep:
     """The sub-groups of the last optimizer step still to update, and the gate that updates them
     before the parameters they hold are fetched."""
 
-    def __init__(self, optimizer, copier=None):
+    def __init__(self, optimizer, copier=None, gather_stream=None):
         self.opt = optimizer
         self.copier = copier           # param_copy_back.ChunkedCopyBack, where it is installed
+        self.gather_stream = gather_stream  # the stream ZeRO-3 gathers parameters on (GPU)
         self.group_of = {id(p): i for i, g in enumerate(optimizer.fp16_groups) for p in g}
         self.persistent = [[p for p in g if getattr(p, "ds_persist", False)]
                            for g in optimizer.fp16_groups]
@@ -52,7 +53,6 @@ class DeferredStep:
         self.norm = None               # the loss-scaled global norm, on the CPU
         self.hyper: list[dict] = []    # each param group's hyper-parameters at step()
         self.deferred = 0              # sub-groups updated after step() returned (tests, logs)
-        self.steps = 0                 # steps that left sub-groups pending
 
     def step(self, closure=None):
         """DeepSpeed ZeRO-3's `step()` up to its sub-group loop; the loop is left pending."""
@@ -71,7 +71,6 @@ class DeferredStep:
         self.norm = scaled.cpu()
         self.hyper = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in o.optimizer.param_groups]
         self.pending = deque(range(len(o.fp16_groups)))
-        self.steps += 1
         if self.copier is not None and torch.cuda.is_available():
             # the last work that reads the partitions (the backward) is queued by now: the
             # copy-back waits for it, not for the next forward's layers queued before a sub-group
@@ -80,19 +79,22 @@ class DeferredStep:
 
     def advance(self, params) -> None:
         """Update, in order, every pending sub-group up to the last one holding one of `params`."""
-        if not self.pending:
-            return
-        need = max((self.group_of.get(id(p), -1) for p in params), default=-1)
-        while self.pending and self.pending[0] <= need:
-            self._update(self.pending.popleft())
-            self.deferred += 1
-        if not self.pending:
-            self._post_step()
+        if self.pending:
+            self._through(max((self.group_of.get(id(p), -1) for p in params), default=-1))
 
     def finish(self) -> None:
         """Update every pending sub-group (before anything reads the weights but a fetch)."""
         if self.pending:
-            self.advance([p for g in self.opt.fp16_groups for p in g])
+            self._through(self.pending[-1])
+
+    def _through(self, last: int) -> None:
+        """Update the pending sub-groups up to `last`, in order; DeepSpeed's end of step after
+        the last of them."""
+        while self.pending and self.pending[0] <= last:
+            self._update(self.pending.popleft())
+            self.deferred += 1
+        if not self.pending:
+            self._post_step()
 
     def _update(self, i: int) -> None:
         """One iteration of DeepSpeed's sub-group loop, with the step's hyper-parameters."""
@@ -116,12 +118,9 @@ class DeferredStep:
             if self.persistent[i]:
                 self.persistent[i][0].all_gather(self.persistent[i])
             flat = o.fp16_partitioned_groups_flat[i]
-            if flat is not None and flat.is_cuda:
+            if flat is not None and flat.is_cuda and self.gather_stream is not None:
                 # ZeRO-3 gathers on a stream of its own: it reads the partition after this update
-                coordinator = o._get_param_coordinator()
-                stream = getattr(coordinator, ALLGATHER_STREAM, None)
-                if stream is not None:
-                    stream.wait_stream(torch.cuda.current_stream(flat.device))
+                self.gather_stream.wait_stream(torch.cuda.current_stream(flat.device))
 
     def _post_step(self) -> None:
         """DeepSpeed's end of step, less the gathering of persistent parameters (done per
@@ -168,7 +167,7 @@ def install(engine, copier=None) -> DeferredStep | None:
     fetch, gather = getattr(coordinator, "fetch_sub_module", None), getattr(coordinator, GATHER, None)
     if fetch is None or gather is None:
         return None
-    d = DeferredStep(o, copier)
+    d = DeferredStep(o, copier, getattr(coordinator, ALLGATHER_STREAM, None))
 
     def fetch_sub_module(module, forward):
         if d.pending:

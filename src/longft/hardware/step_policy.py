@@ -14,7 +14,7 @@ WHY = ("each step's CPU Adam runs during the next forward, sub-group by sub-grou
 def why_not_overlap_step(cfg: Config, device: str) -> list[str]:
     """What zero.overlap_step needs that this setup lacks ([] = it applies)."""
     z = cfg.zero
-    stage = 2 if qlora.quantized(cfg) else z.stage
+    stage = qlora.with_stage(cfg).zero.stage  # QLoRA runs on ZeRO-2
     processes = cfg.hardware.num_gpus * cfg.hardware.num_nodes
     return [why for why, bad in (
         ("a GPU", device != "cuda"), ("zero.stage 3", stage != 3),
