@@ -4,6 +4,8 @@ that merge (scripts/gpu_suite.sh --max-context runs from it)."""
 
 import subprocess
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,6 +15,8 @@ from longft.model.loading import check_context_length, load_model_config
 from longft.run.pipeline import REPO
 
 OVERLAYS = sorted((REPO / "bench" / "configs").glob("*.yaml"))
+PEER_CHECKPOINTS = "/tmp/"
+"""Where bench/peers/side_by_side.sh writes the checkpoint that longft and a peer share."""
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.stem)
@@ -20,8 +24,15 @@ def test_every_overlay_gives_valid_params(overlay):
     over = yaml.safe_load(overlay.read_text())
     assert over.pop("bench_note"), "each row says what it is"
     cfg = from_dict(merge(to_dict(Config()), over), str(overlay))
+    model = cfg.model
+    if model.source == "pretrained" and model.name.startswith(PEER_CHECKPOINTS) and not Path(model.name).exists():
+        # a peer row's checkpoint, written on the GPU machine by bench/peers/make_checkpoint.py
+        # ARCH /tmp/ARCH: its architecture is configs/models/ARCH.json
+        arch = REPO / "configs" / "models" / f"{Path(model.name).name}.json"
+        assert arch.exists(), f"{model.name}: name the directory after a configs/models architecture"
+        model = replace(model, source="random", name=Path(model.name).name)
     # the model's positions cover the row length (patch and prepare refuse it otherwise)
-    check_context_length(load_model_config(cfg.model), cfg.data.max_seq_length, cfg.model.name)
+    check_context_length(load_model_config(model), cfg.data.max_seq_length, cfg.model.name)
 
 
 def test_write_params_writes_the_merge(tmp_path):

@@ -2,7 +2,7 @@
 word-level tokenizer of the model's vocabulary (no hub), for longft and a peer to load the same
 weights from (bench/peers/README.md):
 
-    python3 bench/peers/make_checkpoint.py llama3.1-8b /tmp/llama8b [--device cuda] [--seed 1234]
+    python3 bench/peers/make_checkpoint.py llama3.1-8b /tmp/llama3.1-8b [--device cuda] [--seed 1234]
 
 The weights are drawn on --device (an 8B model in about 20 s on a GPU) in bf16 and written as
 safetensors. Memory and speed do not depend on their values; the same file feeds both tools.

@@ -45,7 +45,7 @@ case $cmd in
     ;;
   run)
     export PATH=/tmp/site/bin:$PATH
-    PYTHONPATH=$longft_path python3 bench/peers/make_checkpoint.py llama3.1-8b /tmp/llama8b 2>&1 | tail -3
+    PYTHONPATH=$longft_path python3 bench/peers/make_checkpoint.py llama3.1-8b /tmp/llama3.1-8b 2>&1 | tail -3
     for tag in "$@"; do
       row=side-8b-qlora-$tag-cap24
       seq=$(python3 -c "import yaml;print(yaml.safe_load(open('bench/configs/$row.yaml'))['data']['max_seq_length'])")
@@ -54,7 +54,7 @@ case $cmd in
         --work $W --results $W/out/results > $W/out/results/$row.log 2>&1
       echo "   rc $?: $(grep -E "^[|] $row" $W/out/results/$row.log | tail -1)"
       echo "== unsloth $row ($(date +%T))"
-      PYTHONPATH=$peer_path python3 bench/peers/unsloth_row.py --model /tmp/llama8b --rows $W/$row/data \
+      PYTHONPATH=$peer_path python3 bench/peers/unsloth_row.py --model /tmp/llama3.1-8b --rows $W/$row/data \
         --seq "$seq" --steps 5 --warmup 2 --vram-limit-gib 22.1 --name unsloth-$row \
         --out $W/out/results/unsloth-$row.json > $W/out/results/unsloth-$row.log 2>&1
       echo "   rc $?: $(tail -1 $W/out/results/unsloth-$row.log)"

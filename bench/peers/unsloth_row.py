@@ -1,7 +1,7 @@
 """One Unsloth QLoRA row, on the same checkpoint, token rows, LoRA, optimizer, steps and memory cap
 as a longft row (bench/peers/README.md). Runs on the GPU machine, in Unsloth's own environment:
 
-    HF_HUB_OFFLINE=1 python3 bench/peers/unsloth_row.py --model /tmp/llama8b \
+    HF_HUB_OFFLINE=1 python3 bench/peers/unsloth_row.py --model /tmp/llama3.1-8b \
         --rows /tmp/longft-bench/<row>/data/prepared --seq 32768 --steps 5 --warmup 2 \
         --vram-limit-gib 22.1 --out gpu-out/unsloth-32k.json
 
