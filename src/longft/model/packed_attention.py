@@ -37,6 +37,7 @@ import inspect
 import os
 from functools import lru_cache
 
+from longft.compat import transformers as tf_compat
 from longft.errors import UserError
 
 NAME = "longft_packed"
@@ -272,5 +273,5 @@ def install(model, kernel: str, single_documents: bool = False) -> None:
     AttentionInterface.register(NAME, make_forward(kernel, single_documents))
     for m in model.modules():  # the model and its sub-configs (one for a decoder-only LM)
         cfg = getattr(m, "config", None)
-        if cfg is not None and getattr(cfg, "_attn_implementation", None) == "sdpa":
-            cfg._attn_implementation = NAME
+        if cfg is not None and tf_compat.attn_implementation(cfg) == "sdpa":
+            tf_compat.set_attn_implementation(cfg, NAME)
