@@ -38,11 +38,12 @@ import os
 from functools import lru_cache
 
 from longft.compat import transformers as tf_compat
+from longft.config.sections import LONGFT_PACKED_KERNELS
 from longft.errors import UserError
 
 NAME = "longft_packed"
 """The attention implementation name longft registers (config._attn_implementation)."""
-KERNELS = ("varlen", "per_document", "flash_attn_4")
+KERNELS = LONGFT_PACKED_KERNELS
 CUDNN_RAGGED_ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
 """PyTorch's opt-in (2.9 and later) to cuDNN SDPA's ragged path for BSHD-contiguous q/k/v without
 a bias: one plan per power-of-two length instead of one per length (aten/src/ATen/native/cudnn/MHA.cpp)."""

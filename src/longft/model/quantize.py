@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from longft.compat import bitsandbytes as bnb_compat
+from longft.model.architecture import is_lora_target
 
 KINDS = ("nf4", "int8")
 
@@ -67,7 +68,7 @@ def targets(model, names: tuple[str, ...]) -> list[tuple[str, object]]:
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return [(n, m) for n, m in model.named_modules()
-            if type(m) is torch.nn.Linear and n.rsplit(".", 1)[-1] in names and m is not head]
+            if type(m) is torch.nn.Linear and is_lora_target(n, names) and m is not head]
 
 
 def quantize_linears(model, names: tuple[str, ...], kind: str, compute_dtype, device) -> int:

@@ -12,7 +12,7 @@ from longft.engine import ds_config
 from longft.estimate.estimator import estimate_for_plan
 from longft.hardware import nvme
 from longft.model import patches as patch
-from longft.model.architecture import architecture
+from longft.model.architecture import architecture, is_lora_target
 from longft.model.loading import check_context_length, load_model_config, transformers_attention
 
 
@@ -51,7 +51,7 @@ def lora_targets(model, names: tuple[str, ...], model_type: str) -> list:
             f"lora.target_modules: {which} of the names match a linear layer of {model_type}: "
             f"{unmatched} match nothing; its linear modules are {known}. Remove or correct "
             f"those names"])
-    return [m for n, m in linear.items() if n.split(".")[-1] in names]
+    return [m for n, m in linear.items() if is_lora_target(n, names)]
 
 
 def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
