@@ -19,14 +19,26 @@ STAGE_REASON = ("QLoRA runs on ZeRO-2: the frozen quantized base weights stay wh
 EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
 
 
+def is_qlora(lora_rank: int, quantize: str) -> bool:
+    """LoRA adapters over quantized base weights (QLoRA)."""
+    return lora_rank > 0 and quantize != "none"
+
+
+def stage(zero_stage: int, lora_rank: int, quantize: str) -> int:
+    """The ZeRO stage a run trains on: QLORA_STAGE for QLoRA, `zero_stage` otherwise. The one rule:
+    the config (`with_stage`), the plan and the estimator (estimate/*) all take it from here."""
+    return QLORA_STAGE if is_qlora(lora_rank, quantize) else zero_stage
+
+
 def quantized(cfg: Config) -> bool:
-    return cfg.lora.rank > 0 and cfg.lora.quantize != "none"
+    return is_qlora(cfg.lora.rank, cfg.lora.quantize)
 
 
 def with_stage(cfg: Config) -> Config:
     """cfg with zero.stage 2 where QLoRA needs it (after `checks.problems` found nothing)."""
-    if quantized(cfg) and cfg.zero.stage != QLORA_STAGE:
-        return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=QLORA_STAGE))
+    s = stage(cfg.zero.stage, cfg.lora.rank, cfg.lora.quantize)
+    if s != cfg.zero.stage:
+        return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=s))
     return cfg
 
 

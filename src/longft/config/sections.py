@@ -68,6 +68,11 @@ class DataConfig:
     dozen samples even from a small one."""
 
 
+LONGFT_PACKED_KERNELS = ("varlen", "per_document", "flash_attn_4")
+"""kernels.packed_attention values that run longft's attention function (model/packed_attention.py);
+defined once here for the policy, the patches and the batches."""
+
+
 @dataclass(frozen=True)
 class KernelsConfig:
     liger: Literal["auto", "on", "off"] = "auto"

@@ -16,7 +16,9 @@ from __future__ import annotations
 import itertools
 import math
 
-PASSES_BOUNDARIES = ("varlen", "per_document", "flash_attn_4", "flash_attention_2")
+from longft.config.sections import LONGFT_PACKED_KERNELS
+
+PASSES_BOUNDARIES = (*LONGFT_PACKED_KERNELS, "flash_attention_2")
 """Resolved kernels.packed_attention values whose kernels read the document boundaries."""
 
 

@@ -19,9 +19,8 @@ unmanaged gradient accumulation, `offload_states` / `reload_states`, DeepCompile
 
 from __future__ import annotations
 
+from longft.compat.deepspeed import GRAD_PARTITIONS as MAP
 from longft.errors import UserError
-
-MAP = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
 class GradBufferError(UserError, RuntimeError):

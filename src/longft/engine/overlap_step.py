@@ -28,14 +28,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from longft.compat.deepspeed import ALLGATHER_STREAM, GATHER, STEP_PARTS
 from longft.engine.partial_offload import HYPERPARAMETERS
 
-GATHER = "_PartitionedParameterCoordinator__all_gather_params"
-ALLGATHER_STREAM = "_PartitionedParameterCoordinator__allgather_stream"
-STEP_PARTS = ("_pre_step", "_partition_all_parameters", "_overflow_check_and_loss_scale_update",
-              "_get_norm_groups", "_prepare_sub_group", "unscale_and_clip_grads", "_optimizer_step",
-              "_reassign_or_swap_out_partitioned_parameters", "_release_sub_group", "_post_step",
-              "_get_param_coordinator", "fp16_groups", "fp16_partitioned_groups_flat", "loss_scale")
+__all__ = ["ALLGATHER_STREAM", "GATHER", "STEP_PARTS", "DeferredStep", "install"]
 
 
 class DeferredStep:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from longft.compat import transformers as tf_compat
 from longft.engine.batches import real_tokens
 from longft.model import packed_attention
 
@@ -54,11 +55,10 @@ def register(model, size: int, micro_batch_size: int, seq_length: int):
     sequence-parallel mpu (its process groups). Call after the process group and the patches."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    impl = model.config._attn_implementation
+    impl = tf_compat.attn_implementation(model.config)
     if impl == packed_attention.NAME:
-        AttentionInterface.register(impl, _positions_give_documents(ALL_ATTENTION_FUNCTIONS[impl]))
+        AttentionInterface.register(impl, _positions_give_documents(tf_compat.attention_function(impl)))
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=impl, sequence_parallel_size=size,
         micro_batch_size=micro_batch_size, seq_length=seq_length, seq_length_is_variable=False,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from longft.estimate.quantized import quantized_weight_bytes
 from longft.estimate.types import DS_SUB_GROUP_SIZE, Setup
-from longft.model.architecture import attention_dims
+from longft.model.architecture import attention_dims, is_lora_target
 
 
 def dims(arch: dict) -> dict:
@@ -62,7 +62,7 @@ def trainable_numels(arch: dict, s: Setup) -> list[int]:
     out = []
     for _ in range(a["L"]):
         for name, (i, o) in _linear_shapes(a).items():
-            if name in s.lora_targets:
+            if is_lora_target(name, s.lora_targets):
                 out += [s.lora_rank * i, o * s.lora_rank]
     return out
 
@@ -72,7 +72,7 @@ def quantized_linears(arch: dict, s: Setup) -> list[tuple[int, int]]:
     model/quantize.py does (none without it)."""
     if s.quantize == "none":
         return []
-    shapes = [io for name, io in _linear_shapes(dims(arch)).items() if name in s.lora_targets]
+    shapes = [io for name, io in _linear_shapes(dims(arch)).items() if is_lora_target(name, s.lora_targets)]
     return shapes * dims(arch)["L"]
 
 
@@ -102,7 +102,8 @@ def optimizer_split(s: Setup, groups: list[int]) -> tuple[list[int], list[int]]:
 
 
 def zero_knobs(s: Setup, hidden_size: int) -> dict:
-    """The DeepSpeed bucket and threshold numbers longft's ds_config writes for this setup."""
+    """The DeepSpeed bucket and threshold numbers longft's ds_config writes for this setup: the
+    engine's own builder (ds_config.zero_section), with zero.overlap_step as resolved."""
     from longft.config.params import Config, ZeroConfig
     from longft.engine.ds_config import zero_section
 
@@ -113,7 +114,7 @@ def zero_knobs(s: Setup, hidden_size: int) -> dict:
                                  prefetch_bucket_size=s.prefetch_bucket_size,
                                  param_persistence_threshold=s.param_persistence_threshold,
                                  max_live_parameters=s.max_live_parameters))
-    return zero_section(cfg, hidden_size)
+    return zero_section(cfg, hidden_size, overlap_step=s.overlap_step)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def numbers(arch: dict, s: Setup) -> Numbers:
                                off_opt=s.offload_optimizer, off_param=s.offload_param,
                                reduce=s.reduce_bucket_size, prefetch=s.prefetch_bucket_size,
                                persist=s.param_persistence_threshold, live=s.max_live_parameters,
-                               h=sizes["a"]["h"])),
+                               overlap_step=s.overlap_step, h=sizes["a"]["h"])),
         gpu_groups=on_gpu, host_groups=on_host, ms=2 if s.optimizer_states == "bf16" else 4,
         **{k: list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, dict) else v
            for k, v in sizes.items()})
@@ -192,8 +193,9 @@ def _sizes(key: tuple, N: int, lora_rank: int, targets: tuple, quantize: str,
 
 
 @functools.lru_cache(maxsize=512)
-def _zero_knobs(*, stage, overlap, off_opt, off_param, reduce, prefetch, persist, live, h) -> dict:
+def _zero_knobs(*, stage, overlap, off_opt, off_param, reduce, prefetch, persist, live, overlap_step,
+                h) -> dict:
     return zero_knobs(Setup(1, 1, zero_stage=stage, overlap_comm=overlap, offload_optimizer=off_opt,
                             offload_param=off_param, reduce_bucket_size=reduce,
                             prefetch_bucket_size=prefetch, param_persistence_threshold=persist,
-                            max_live_parameters=live), h)
+                            max_live_parameters=live, overlap_step=overlap_step), h)

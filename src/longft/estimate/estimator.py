@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from longft.config import qlora
 from longft.config.plan import Resolved
 from longft.estimate.arch import numbers, param_numels, sub_groups, zero_knobs
 from longft.estimate.format import describe, format_table, gib, to_dict
 from longft.estimate.gpu import gpu_activation_items, gpu_state_items, layer_activation_bytes, reuse_layers
 from longft.estimate.host import disk_items, host_items, host_peak, pinned, pinned_pool
-from longft.estimate.quantized import qlora_zero_stage
 from longft.estimate.types import (
     CUDA_CONTEXT_BYTES,
     GIB,
@@ -110,7 +110,7 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         tiled_mlp=r.tiled_mlp.value,
         tile_tokens=cfg.kernels.tiled_mlp_tokens,
         expandable_segments=cfg.hardware.expandable_segments,
-        zero_stage=qlora_zero_stage(cfg.zero.stage, cfg.lora.rank, cfg.lora.quantize),
+        zero_stage=qlora.stage(cfg.zero.stage, cfg.lora.rank, cfg.lora.quantize),
         offload_optimizer=cfg.zero.offload_optimizer != "none",
         nvme=cfg.zero.offload_optimizer == "nvme", offload_ratio=cfg.zero.offload_ratio,
         optimizer_states=cfg.zero.optimizer_states, sub_group_size=cfg.zero.sub_group_size,
@@ -120,6 +120,7 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         offload_param=cfg.zero.offload_param == "cpu", overlap_comm=cfg.zero.overlap_comm,
         grad_accum=max(1, cfg.train.global_batch_size // (micro * ws)),
         host_grad_buffer=r.host_grad_buffer.value, copy_back=r.copy_back.value,
+        overlap_step=r.overlap_step.value == "on",
         # packed rows build a [seq x seq] mask only under kernels.packed_attention: mask
         block_mask=r.packed_attention.value == "mask" and cfg.data.pack and cfg.data.source != "random",
         flash_attn_4="flash_attn_4" in (r.packed_attention.value, r.attention.value),

@@ -161,12 +161,13 @@ class Tuning:
     def apply(self, s: Setup) -> Setup:
         """`s` training this way (ZeRO-2 for QLoRA; LoRA on the seven decoder linears where `s`
         names no targets)."""
-        from longft.estimate.quantized import QUANTIZED_LINEARS, qlora_zero_stage
+        from longft.config import qlora
+        from longft.estimate.quantized import QUANTIZED_LINEARS
 
         targets = s.lora_targets or (QUANTIZED_LINEARS if self.lora_rank else ())
         return dataclasses.replace(
             s, lora_rank=self.lora_rank, quantize=self.quantize, optimizer=self.optimizer,
-            lora_targets=targets, zero_stage=qlora_zero_stage(3, self.lora_rank, self.quantize))
+            lora_targets=targets, zero_stage=qlora.stage(3, self.lora_rank, self.quantize))
 
 
 def placements(t: Tuning, disk_gib: float | None) -> list[str]:

@@ -8,6 +8,8 @@ bench/LOG.md.
 
 from __future__ import annotations
 
+from longft.config import qlora
+
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder linears that QLoRA replaces with bitsandbytes' Linear4bit / Linear8bitLt (all seven,
 whatever lora.target_modules adapts); embeddings, lm_head and norms stay in the training dtype."""
@@ -77,8 +79,5 @@ def adam8_state_bytes(numel: int) -> int:
     return 2 * numel + 2 * 4 * _ceil(numel, ADAM8_BLOCK) + ADAM8_QMAPS
 
 
-def qlora_zero_stage(stage: int, lora_rank: int, quantize: str) -> int:
-    """The ZeRO stage a run trains on: QLoRA (LoRA with quantized base weights) runs on ZeRO-2, with
-    the frozen quantized weights whole on each GPU (ZeRO-3 cannot partition bitsandbytes' packed
-    weights here); everything else on zero.stage."""
-    return 2 if lora_rank > 0 and quantize != "none" else stage
+qlora_zero_stage = qlora.stage
+"""The ZeRO stage a run trains on (QLoRA: ZeRO-2): config/qlora.py's rule, not a copy of it."""

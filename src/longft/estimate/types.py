@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from longft.config import qlora
 from longft.hardware.policy import why_not_shared_grad_buffer as why_not
 from longft.model.tiled_mlp import TILE_TOKENS
 
@@ -106,6 +107,7 @@ class Setup:
     grad_accum: int = 1
     host_grad_buffer: str = "full"   # full | shared (grad_buffer.py): DeepSpeed's host gradient copy
     copy_back: str = "deepspeed"     # deepspeed (its own copy) | chunked (engine/param_copy_back.py)
+    overlap_step: bool = False       # zero.overlap_step resolved on (ds_config: persistence threshold 0)
     block_mask: bool = False         # packed rows under transformers' dense [s x s] block mask
                                      # (kernels.packed_attention: mask; per-document attention has none)
     flash_attn_4: bool = False       # flash-attn-4's kernels run (its host runtime)
@@ -164,8 +166,8 @@ class Setup:
             p.append(f"copy_back {self.copy_back!r} is not chunked or deepspeed")
         if self.quantize not in ("none", "nf4", "int8"):
             p.append(f"quantize {self.quantize!r} is not none, nf4 or int8")
-        elif self.quantize != "none" and (self.lora_rank <= 0 or self.zero_stage != 2):
-            p.append("quantize (QLoRA) needs lora_rank > 0 and zero_stage 2")
+        elif self.quantize != "none" and (self.lora_rank <= 0 or self.zero_stage != qlora.QLORA_STAGE):
+            p.append(f"quantize (QLoRA) needs lora_rank > 0 and zero_stage {qlora.QLORA_STAGE}")
         if self.optimizer not in ("adamw", "adamw_8bit", "paged_adamw_8bit"):
             p.append(f"optimizer {self.optimizer!r} is not adamw, adamw_8bit or paged_adamw_8bit")
         elif self.optimizer != "adamw" and self.offload_optimizer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from longft.config.params import Config
 from longft.config.plan import Choice
+from longft.config.sections import LONGFT_PACKED_KERNELS
 from longft.hardware.machine import Hardware
 
 
@@ -43,7 +44,7 @@ FA4_MEASURED = ("H200, 1B: 49,447 tok/s at 16K against 40,872 with varlen_attn; 
 """What auto's choice of flash-attn-4 for packed rows stands on (BENCHMARKS.md)."""
 
 
-LONGFT_KERNELS = ("varlen", "per_document", "flash_attn_4")
+LONGFT_KERNELS = LONGFT_PACKED_KERNELS
 """kernels.packed_attention values that are longft's attention function (model/packed_attention.py)."""
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from longft.compat import torch as torch_compat
+
 
 class LayerProgress:
     def __init__(self, layers, enabled: bool, after_s: float = 5.0, file=None):
@@ -25,7 +27,7 @@ class LayerProgress:
             if self.enabled else []
 
     def _hook(self, module, args) -> None:
-        if self.bar is None or torch._C._current_graph_task_id() != -1:
+        if self.bar is None or torch_compat.in_backward():
             return  # no bar, or a recompute inside backward
         self.forward += 1
         self.bar.set_description("forward")

@@ -33,3 +33,9 @@ def architecture(model_config) -> dict:
         arch["hidden_size"], arch["num_attention_heads"], arch["head_dim"],
         arch["num_key_value_heads"])
     return arch
+
+
+def is_lora_target(name: str, targets) -> bool:
+    """LoRA's target rule, written once (patch stage, QLoRA's quantizer, the estimator): the module
+    whose last name part is one of `targets` (peft's target_modules given as a list of names)."""
+    return name.rsplit(".", 1)[-1] in targets

@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from longft.compat import transformers as tf_compat
 from longft.model.pinned_slabs import PinnedSlabs
 
 OFFLOAD_MIN_BYTES = 1 << 20
@@ -137,9 +138,9 @@ class CheckpointOffload:
         self._new_hooks = hooks or (lambda: OffloadHooks(min_bytes=min_bytes, prefetch=prefetch,
                                                          slabs=self.slabs))
         for i, layer in enumerate(layers):
-            base = layer._gradient_checkpointing_func
-            layer._gradient_checkpointing_func = functools.partial(
-                self._checkpoint, base, i < len(layers) - gpu_layers)
+            base = tf_compat.checkpoint_function(layer)
+            tf_compat.set_checkpoint_function(layer, functools.partial(
+                self._checkpoint, base, i < len(layers) - gpu_layers))
 
     def new_step(self) -> OffloadHooks:
         if self.hooks is not None:

@@ -17,8 +17,10 @@ import functools
 from collections import deque
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
+
+from longft.compat import torch as torch_compat
+from longft.compat import transformers as tf_compat
+from longft.compat.torch import TorchDispatchMode, tree_map_only
 
 
 def kernel_ops() -> set:
@@ -28,10 +30,7 @@ def kernel_ops() -> set:
     and later)."""
     from longft.model import flash_attn_4_op  # registers longft::fa4_forward
 
-    aten = torch.ops.aten
-    names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    ops = torch_compat.sdpa_ops()
     ops.add(flash_attn_4_op.fa4_forward._opoverload)
     try:
         import importlib
@@ -88,6 +87,6 @@ def keep_outputs(layers, n: int) -> int:
         return 0
     context_fn = functools.partial(contexts, kernel_ops())
     for layer in layers[-n:]:
-        base = layer._gradient_checkpointing_func
-        layer._gradient_checkpointing_func = functools.partial(base, context_fn=context_fn)
+        base = tf_compat.checkpoint_function(layer)
+        tf_compat.set_checkpoint_function(layer, functools.partial(base, context_fn=context_fn))
     return min(n, len(layers))

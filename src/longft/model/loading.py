@@ -13,6 +13,7 @@ from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
 
+from longft.compat import transformers as tf_compat
 from longft.config.params import ModelConfig
 from longft.errors import UserError
 
@@ -250,7 +251,7 @@ def build_model(mc: ModelConfig, attn_implementation: str, dtype):
     attn_implementation = transformers_attention(attn_implementation)
     if mc.source == "random":
         config = load_model_config(mc)
-        config._attn_implementation = attn_implementation
+        tf_compat.set_attn_implementation(config, attn_implementation)
         return AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=mc.trust_remote_code)

@@ -37,11 +37,13 @@ import inspect
 import os
 from functools import lru_cache
 
+from longft.compat import transformers as tf_compat
+from longft.config.sections import LONGFT_PACKED_KERNELS
 from longft.errors import UserError
 
 NAME = "longft_packed"
 """The attention implementation name longft registers (config._attn_implementation)."""
-KERNELS = ("varlen", "per_document", "flash_attn_4")
+KERNELS = LONGFT_PACKED_KERNELS
 CUDNN_RAGGED_ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
 """PyTorch's opt-in (2.9 and later) to cuDNN SDPA's ragged path for BSHD-contiguous q/k/v without
 a bias: one plan per power-of-two length instead of one per length (aten/src/ATen/native/cudnn/MHA.cpp)."""
@@ -272,5 +274,5 @@ def install(model, kernel: str, single_documents: bool = False) -> None:
     AttentionInterface.register(NAME, make_forward(kernel, single_documents))
     for m in model.modules():  # the model and its sub-configs (one for a decoder-only LM)
         cfg = getattr(m, "config", None)
-        if cfg is not None and getattr(cfg, "_attn_implementation", None) == "sdpa":
-            cfg._attn_implementation = NAME
+        if cfg is not None and tf_compat.attn_implementation(cfg) == "sdpa":
+            tf_compat.set_attn_implementation(cfg, NAME)

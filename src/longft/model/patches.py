@@ -7,10 +7,11 @@ the same modules were replaced.
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
 from types import MethodType
 
+from longft.compat import liger as liger_compat
+from longft.compat import transformers as tf_compat
 from longft.config.plan import Resolved
 from longft.config.sections import Config
 from longft.errors import UserError
@@ -37,16 +38,12 @@ def _replaced_modules(model) -> dict[str, int]:
 
 def _forward_owner(model) -> str:
     fwd = model.forward
-    func = fwd.__func__ if isinstance(fwd, MethodType) else fwd
-    return f"{func.__module__}.{func.__qualname__}"
+    return tf_compat.function_name(fwd.__func__ if isinstance(fwd, MethodType) else fwd)
 
 
 def apply_liger(model) -> None:
     """Liger RMSNorm, RoPE, SwiGLU and fused linear cross-entropy on this instance."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
-                                    cross_entropy=False, fused_linear_cross_entropy=True)
+    liger_compat.apply_to_instance(model)
 
 
 def attention_window(model_config) -> int | None:
@@ -73,7 +70,7 @@ def _check_softcap(model, packed: str) -> None:
     """A softcapping model never runs on a kernel that drops the cap (a plan.json written before
     the attention policy knew about it, or a model that changed under it)."""
     cap = attention_softcap(model.config)
-    impl = getattr(model.config, "_attn_implementation", None)
+    impl = tf_compat.attn_implementation(model.config)
     if cap and (packed in packed_attention.KERNELS or impl in ("sdpa", packed_attention.NAME)):
         what = (f"kernels.packed_attention {packed} (SDPA per document / varlen_attn / flash-attn-4)"
                 if packed in packed_attention.KERNELS else f"attention {impl}")
@@ -84,9 +81,9 @@ def _check_softcap(model, packed: str) -> None:
 
 
 def rope_function(model) -> str:
-    mod = importlib.import_module(type(model).__module__)
-    fn = getattr(mod, "apply_rotary_pos_emb", None)
-    return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else "n/a"
+    """Which RoPE function the model runs (compat/transformers.py: a function, or from
+    transformers 5.25 a hub-kernel module wrapping it)."""
+    return tf_compat.rotary_function(model)
 
 
 def apply_resolved(model, resolved: Resolved, cfg: Config) -> dict:
@@ -139,7 +136,7 @@ def apply(model, *, liger: bool, checkpointing: str, sdpa_backend: str = "defaul
         "packed_attention": packed,
         # cuDNN's ragged path for per-document calls (packed_attention.CUDNN_RAGGED_ENV)
         "cudnn_ragged": packed_attention.cudnn_ragged(),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "attn_implementation": tf_compat.attn_implementation(model.config),
     }
 
 
@@ -148,7 +145,7 @@ def _keep_attention(model, checkpointing: str, n: int, sdpa_backend: str = "defa
     if n <= 0:
         return 0
     layers = decoder_layers(model)
-    impl = getattr(model.config, "_attn_implementation", None)
+    impl = tf_compat.attn_implementation(model.config)
     if checkpointing not in ("gpu", "cpu_offload"):
         raise PatchError(f"checkpointing.keep_attention is {n} but checkpointing is {checkpointing}:"
                          " nothing is recomputed; set it to 0 or checkpoint (gpu or cpu_offload)")

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import re
 
+from longft.compat import bitsandbytes as bnb_compat
+from longft.model.architecture import is_lora_target
+
 KINDS = ("nf4", "int8")
 
 
@@ -44,21 +47,18 @@ def _dequantize_flat_on_cpu(F) -> None:
 
     import torch
 
-    original = F.dequantize_4bit
-    if getattr(original, "_longft_flat_on_cpu", False):
-        return
+    def flat_on_cpu(original):
+        def dequantize_4bit(A, quant_state=None, *args, **kwargs):
+            qs = quant_state
+            if (qs is None or A.device.type != "cpu" or len(qs.shape) < 2 or args or "out" in kwargs
+                    or qs.shape[-1] % qs.blocksize == 0):
+                return original(A, quant_state, *args, **kwargs)
+            flat = copy.copy(qs)
+            flat.shape = torch.Size([math.prod(qs.shape)])
+            return original(A, flat, *args, **kwargs).reshape(qs.shape)
+        return dequantize_4bit
 
-    def dequantize_4bit(A, quant_state=None, *args, **kwargs):
-        qs = quant_state
-        if (qs is None or A.device.type != "cpu" or len(qs.shape) < 2 or args or "out" in kwargs
-                or qs.shape[-1] % qs.blocksize == 0):
-            return original(A, quant_state, *args, **kwargs)
-        flat = copy.copy(qs)
-        flat.shape = torch.Size([math.prod(qs.shape)])
-        return original(A, flat, *args, **kwargs).reshape(qs.shape)
-
-    dequantize_4bit._longft_flat_on_cpu = True
-    F.dequantize_4bit = dequantize_4bit
+    bnb_compat.replace_dequantize_4bit(F, flat_on_cpu)
 
 
 def targets(model, names: tuple[str, ...]) -> list[tuple[str, object]]:
@@ -68,7 +68,7 @@ def targets(model, names: tuple[str, ...]) -> list[tuple[str, object]]:
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return [(n, m) for n, m in model.named_modules()
-            if type(m) is torch.nn.Linear and n.rsplit(".", 1)[-1] in names and m is not head]
+            if type(m) is torch.nn.Linear and is_lora_target(n, names) and m is not head]
 
 
 def quantize_linears(model, names: tuple[str, ...], kind: str, compute_dtype, device) -> int:
@@ -91,7 +91,7 @@ def quantize_linears(model, names: tuple[str, ...], kind: str, compute_dtype, de
             # On an AVX512-BF16 CPU, bitsandbytes repacks the weight in place for a no-grad eval
             # forward (the evaluator's) and its gemv then fails on widths that are not whole
             # blocks; the plain dequantize path serves training and evaluation alike.
-            q.support_avx512bf16_for_cpu = False
+            bnb_compat.no_cpu_repack(q)
         elif kind == "int8":
             q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=bias,
                                     has_fp16_weights=False, threshold=6.0, device="meta")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+from longft.compat import torch as torch_compat
+
 TILE_TOKENS = 8192
 """Tokens per tile: large enough for efficient matmuls, small enough that a tile's intermediates
 (8192 x intermediate_size x ~5 x 2 B: 1.1 GiB for Llama-3.1-8B) stay small."""
@@ -82,7 +84,7 @@ def tile_mlps(model, tile_tokens: int = TILE_TOKENS, skip_recompute: bool = Fals
                 # TiledMLP sees the weights only through a list: autograd would not track them
                 # unless the input requires grad (LoRA without checkpointing: frozen embeddings)
                 x = x.detach().requires_grad_()
-            if skip_recompute and torch._C._current_graph_task_id() != -1:
+            if skip_recompute and torch_compat.in_backward():
                 return TiledMLP.apply(_skip, _mlp, x, n, params)  # a checkpoint's recompute
             return TiledMLP.apply(_fn, _mlp, x, n, params)
 

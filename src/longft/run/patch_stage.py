@@ -5,13 +5,14 @@ what gets replaced, and produce artifacts/plan.json and artifacts/ds_config.json
 from __future__ import annotations
 
 from longft import hardware
+from longft.compat import gate as compat
 from longft.config.params import Config, to_dict
 from longft.config.plan import Resolved
 from longft.engine import ds_config
 from longft.estimate.estimator import estimate_for_plan
 from longft.hardware import nvme
 from longft.model import patches as patch
-from longft.model.architecture import architecture
+from longft.model.architecture import architecture, is_lora_target
 from longft.model.loading import check_context_length, load_model_config, transformers_attention
 
 
@@ -50,7 +51,7 @@ def lora_targets(model, names: tuple[str, ...], model_type: str) -> list:
             f"lora.target_modules: {which} of the names match a linear layer of {model_type}: "
             f"{unmatched} match nothing; its linear modules are {known}. Remove or correct "
             f"those names"])
-    return [m for n, m in linear.items() if n.split(".")[-1] in names]
+    return [m for n, m in linear.items() if is_lora_target(n, names)]
 
 
 def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
@@ -61,12 +62,17 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     choices = hardware.resolve(cfg, hw, mc.model_type, patch.attention_softcap(mc),
                                (arch["num_attention_heads"], arch["num_key_value_heads"]),
                                window=patch.attention_window(mc))
+    # every private internal the resolved knobs need (longft.compat): auto off, or refuse
+    compat_record, missing = compat.gate(cfg, choices)
+    if missing:
+        raise hardware.PlanError(missing)
     precision = choices["precision"].value
     model = meta_model(mc, choices["attention"].value, cfg.model.trust_remote_code)
     try:
         record = patch.apply_resolved(model, Resolved.from_dict(choices), cfg)
     except patch.PatchError as e:  # a knob this model or mode cannot take (patch checks it)
         raise hardware.PlanError([str(e)]) from None
+    record["compat"] = compat_record
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.lora.rank > 0:
         targets = lora_targets(model, cfg.lora.target_modules, mc.model_type)

@@ -1,0 +1,122 @@
+"""longft.compat: each private internal is checked when the plan is made; a library without it turns
+the knob off (auto) or refuses once, clearly (set in params) — never a traceback mid-run."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from longft.compat import Access
+from longft.compat import gate as compat
+from longft.compat import transformers as tf_compat
+from longft.config.params import from_dict
+from longft.config.plan import Choice
+
+STAGE3 = "deepspeed.runtime.zero.stage3"
+COORD = "deepspeed.runtime.zero.partitioned_param_coordinator"
+
+
+def fake(monkeypatch, name: str, **attrs) -> types.ModuleType:
+    """Put a module `name` holding only `attrs` where importlib finds it."""
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+def fake_source(monkeypatch, tmp_path, name: str, source: str) -> types.ModuleType:
+    """A module `name` from `source` (a file, so that inspect reads its classes' source)."""
+    import importlib.util
+
+    path = tmp_path / (name.replace(".", "_") + ".py")
+    path.write_text(source)
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
+    monkeypatch.setitem(sys.modules, name, mod)
+    mod.__loader__.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def deepspeed_without_pre_step(monkeypatch, tmp_path):
+    """A DeepSpeed whose ZeRO-3 optimizer lost `_pre_step` (everything else overlap_step uses is there)."""
+    from longft.compat import deepspeed as ds
+
+    state = "".join(f"        self.{n} = None\n" for n in ds.STEP_STATE + ("persistent_parameters",))
+    methods = "".join(f"    def {m}(self): pass\n" for m in ds.STEP_METHODS if m != "_pre_step")
+    fake_source(monkeypatch, tmp_path, STAGE3, "class DeepSpeedZeroOptimizer_Stage3:\n"
+                f"    def __init__(self):\n{state}{methods}")
+    fake_source(monkeypatch, tmp_path, COORD, "def iter_params(m): pass\n"
+                "class PartitionedParameterCoordinator:\n"
+                "    def __init__(self): self.__allgather_stream = None\n"
+                "    def fetch_sub_module(self): pass\n"
+                "    def __all_gather_params(self): pass\n")
+
+
+def test_an_access_says_what_is_gone(monkeypatch):
+    fake(monkeypatch, "fakelib", Thing=type("Thing", (), {"present": 1}))
+    assert Access("x", "fakelib", "present", owner="Thing").missing() is None
+    assert Access("x", "fakelib", "moved", owner="Thing").missing() == "fakelib.Thing.moved is gone"
+    assert Access("x", "fakelib", "Thing").missing() is None
+    assert "cannot be imported" in Access("x", "fakelib_not_installed", "f").missing()
+
+
+def test_overlap_step_auto_turns_off_with_the_reason(deepspeed_without_pre_step):
+    cfg = from_dict({})
+    choices = {"overlap_step": Choice("on", "auto: ...")}
+    record, problems = compat.gate(cfg, choices)
+    assert problems == []
+    assert choices["overlap_step"].value == "off"
+    assert "DeepSpeedZeroOptimizer_Stage3._pre_step is gone" in choices["overlap_step"].reason
+    label = f"{STAGE3}.DeepSpeedZeroOptimizer_Stage3._pre_step"
+    assert record[label] == f"{label} is gone"
+    assert record[f"{STAGE3}.DeepSpeedZeroOptimizer_Stage3._post_step"] == "ok"
+
+
+def test_overlap_step_set_on_refuses_once_with_the_fix(deepspeed_without_pre_step):
+    cfg = from_dict({"zero": {"overlap_step": "on"}})
+    choices = {"overlap_step": Choice("on", "set in params")}
+    _, problems = compat.gate(cfg, choices)
+    assert len(problems) == 1
+    assert problems[0].startswith("zero.overlap_step: on needs a library internal that is not there")
+    assert "_pre_step is gone" in problems[0] and "set zero.overlap_step: auto or off" in problems[0]
+    assert choices["overlap_step"].value == "on"
+
+
+def test_liger_without_its_instance_patch_turns_off_or_refuses(monkeypatch):
+    fake(monkeypatch, "liger_kernel.transformers")  # no _apply_liger_kernel_to_instance
+    choices = {"liger": Choice(True, "auto: CUDA")}
+    _, problems = compat.gate(from_dict({}), choices)
+    assert choices["liger"].value is False and not problems
+    assert "_apply_liger_kernel_to_instance is gone" in choices["liger"].reason
+    _, problems = compat.gate(from_dict({"kernels": {"liger": "on"}}), {"liger": Choice(True, "set")})
+    assert len(problems) == 1 and "kernels.liger: on needs" in problems[0]
+
+
+def test_what_has_no_off_refuses(monkeypatch):
+    fake(monkeypatch, "bitsandbytes")
+    fake(monkeypatch, "bitsandbytes.functional")   # dequantize_4bit moved
+    _, problems = compat.gate(from_dict({}), {"quantize": Choice("nf4", "set in params")})
+    assert len(problems) == 1 and problems[0].startswith("lora.quantize: nf4 needs")
+    assert "set lora.quantize: none" in problems[0]
+
+
+def test_the_installed_libraries_have_every_internal():
+    """The lock's versions (and scripts/test_newest.sh's newest inside pyproject's caps)."""
+    found = compat.check()
+    gone = {label: why for per in found.values() for label, why in per.items() if why}
+    assert not gone
+    assert set(found) == {a.feature for _, a in compat.accesses()}
+
+
+def test_a_hub_kernel_function_is_named_by_its_forward():
+    """transformers 5.25 with `kernels`: apply_rotary_pos_emb is an nn.Module calling the function."""
+    def apply_rotary_pos_emb(q, k):
+        return q, k
+
+    Func = type("Func", (torch.nn.Module,), {"forward": staticmethod(apply_rotary_pos_emb)})
+    assert tf_compat.function_name(Func()).endswith("apply_rotary_pos_emb")
+    assert tf_compat.function_name(apply_rotary_pos_emb).endswith(
+        "test_a_hub_kernel_function_is_named_by_its_forward.<locals>.apply_rotary_pos_emb")
