@@ -42,6 +42,8 @@ lock() {  # lock OUT [extra uv args]: pyproject + test extra -> OUT, with hashes
 case "${1:-}" in
   "")
     lock requirements/lock-cpu.txt -c requirements/common.txt
+    # sealed: its sha256 and pin count as its last line, so a lock cut short is refused (lockfile.py)
+    PYTHONPATH=src python3 -m longft.engine.lockfile --seal requirements/lock-cpu.txt
     n=$(grep -c '==' requirements/lock-cpu.txt)
     echo "wrote requirements/lock-cpu.txt: $n packages ($(sha256sum requirements/lock-cpu.txt | cut -c1-16))"
     ;;

@@ -21,6 +21,8 @@ if ! python -c 'import platform as p, sys; sys.exit(sys.version_info[:2] != (3, 
 with PYTHON=python3.11, or lock for this Python (--python-version in scripts/lock.sh)" >&2
   exit 2
 fi
+# the lock is whole (its seal: nothing cut or edited since scripts/lock.sh wrote it) before anything
+PYTHONPATH=src python -m longft.engine.lockfile --check "$LOCK" || exit 2
 if ! python -c "import longft" 2>/dev/null || ! python -m longft.engine.lockfile >/dev/null 2>&1; then
   echo "installing $LOCK into .venv: $(grep -c '==' "$LOCK") packages at their locked versions and hashes ..."
   if command -v nvidia-smi >/dev/null 2>&1; then

@@ -26,7 +26,8 @@ def test_round_trip(tmp_path):
     write_dataset(tmp_path / "prep", ids, labels, pos, META, extra={"stats.json": {"rows": 3}})
     ds = PreparedDataset(tmp_path / "prep")
     assert len(ds) == 3 and ds.max_seq_length == 8
-    assert ds.meta == {"num_rows": 3, "max_seq_length": 8, **META}
+    assert ds.meta == {"num_rows": 3, "max_seq_length": 8, **META,
+                       "content_sha256": ds.meta["content_sha256"]}
     assert json.loads((tmp_path / "prep" / "stats.json").read_text()) == {"rows": 3}
     row = ds[1]
     assert set(row) == {"input_ids", "labels", "position_ids"}

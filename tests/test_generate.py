@@ -100,6 +100,41 @@ def test_missing_export_and_bad_options_are_clear_errors(tmp_path, capsys):
     (tmp_path / "export").mkdir()
     assert cli.main(["generate", "--export", str(tmp_path / "export"), "--prompt", "x"]) == 2
     assert "is not a longft export (no readable longft_export.json" in capsys.readouterr().err
-    assert cli.main(["generate", "--max-new-tokens", "0", "--prompt", "x"]) == 2
-    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
     assert Config().output.export  # the default pipeline exports what this reads
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be a whole number >= 1 (tokens)"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0"),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["--top-p", "0"], "argument --top-p: must be a finite number > 0 and <= 1, got 0"),
+    (["--held-out", "-2"], "argument --held-out: must be a whole number >= 1"),
+    (["--json", "."], "argument --json: . is a directory; name a file to write"),
+])
+def test_bad_options_are_refused_as_they_are_parsed(args, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--prompt", "x", *args])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_cut_export_a_missing_gpu_and_an_unwritable_json_are_messages(tmp_path, byte_tokenizer,
+                                                                        capsys):
+    tiny_model(byte_tokenizer, tmp_path / "export")
+    run = ["generate", "--export", str(tmp_path / "export"), "--prompt", "hi",
+           "--max-new-tokens", "2", "--show-prompt-chars", "0"]
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(SystemExit):  # a file where the JSON's folder goes
+        cli.main([*run, "--json", str(tmp_path / "plain" / "out.json")])
+    assert "plain is a file, not a directory" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli.main([*run, "--device", "cuda"]) == 2
+        err = capsys.readouterr().err
+        assert "--device cuda: this torch is a CPU build" in err or "no CUDA GPU" in err
+    assert cli.main([*run, "--device", "tpu"]) == 2
+    assert "give auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+    weights = tmp_path / "export" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert cli.main(run) == 2
+    err = capsys.readouterr().err
+    assert "holds weights that cannot be read (safetensors files: model.safetensors;" in err
+    assert "cut short or damaged" in err and "Traceback" not in err

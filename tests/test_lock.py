@@ -112,3 +112,47 @@ def test_both_images_pins_resolve_together_for_python_312(tmp_path):
                   **lockfile.pins((REQ / f"{image}.txt").read_text())}
         assert {n: resolved[n] for n in pinned} == pinned
         assert resolved["nvidia-cuda-runtime-cu12"].startswith("12.")  # torch's CUDA 12 build
+
+
+def test_the_lock_is_sealed_and_whole():
+    assert lockfile.problems(LOCK) == []
+    assert LOCK.read_text().splitlines()[-1].startswith(lockfile.SEAL)
+
+
+def _cut(after_pins: int) -> str:
+    """The lock cut after its first `after_pins` pins (their hash lines kept)."""
+    lines, kept, n = LOCK.read_text().splitlines(keepends=True), [], 0
+    for ln in lines:
+        if lockfile._PIN.match(ln) and not ln.startswith(" "):
+            n += 1
+            if n > after_pins:
+                break
+        kept.append(ln)
+    return "".join(kept)
+
+
+def test_a_lock_cut_short_or_edited_is_refused_before_any_package_is_compared(tmp_path, monkeypatch,
+                                                                            capsys):
+    cut = tmp_path / "lock-cpu.txt"
+    cut.write_text(_cut(89))  # issue 49, L03: 89 of 163 pins, every one installed
+    assert len(lockfile.pins(cut.read_text())) == 89
+    assert "has no seal line" in lockfile.problems(cut)[0]
+    monkeypatch.setattr(lockfile, "LOCK", cut)
+    assert lockfile.main([]) == 1
+    assert "environment matches" not in capsys.readouterr().out
+    # the seal line kept at the end of the cut lock: its lines are not the sealed ones
+    cut.write_text(_cut(89) + LOCK.read_text().splitlines(keepends=True)[-1])
+    assert "is not the lock that was sealed" in lockfile.problems(cut)[0]
+    assert "89 pins now, 163 sealed" in lockfile.problems(cut)[0]
+    assert lockfile.main(["--check", str(cut)]) == 1
+    # sealed again (what scripts/lock.sh does) it is a whole lock of its own
+    lockfile.seal(cut)
+    assert lockfile.problems(cut) == [] and lockfile.main(["--check", str(cut)]) == 0
+
+
+def test_a_pin_without_a_hash_is_refused(tmp_path):
+    lock = tmp_path / "lock.txt"
+    lock.write_text("a==1 \\\n    --hash=sha256:00\n    # via b\nb==2\n    # via c\n")
+    lockfile.seal(lock)
+    assert lockfile.problems(lock) == [f"{lock}: 1 pin(s) without a hash (b); write it again with "
+                                       "`bash scripts/lock.sh` (or restore it from git)"]

@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
+from longft.cli.argtypes import integer, number, out_dir, out_file
 from longft.cli.target import architecture_of as _architecture
 from longft.cli.target import resolve_on_gpu as _resolve
+from longft.cli.target import within_positions
 from longft.estimate.estimator import GIB, describe, estimate, fits, format_table, setup_from_config
 from longft.estimate.format import unmeasured
 from longft.estimate.max_context import SEQ_STEP, _max_context_auto_tiled, candidates_for_confirmation, max_context
@@ -52,8 +53,10 @@ def _sizes(a, hw) -> tuple[float | None, float | None]:
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
     """--params, --gpu-mem, --host-mem: the arguments `estimate` and `max-context` share."""
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--gpu-mem", type=float, help="GiB of one GPU (default: detected)")
-    ap.add_argument("--host-mem", type=float, help="GiB of host RAM per node (default: detected)")
+    ap.add_argument("--gpu-mem", type=number(above=0, what="GiB of one GPU"),
+                    help="GiB of one GPU (default: detected)")
+    ap.add_argument("--host-mem", type=number(above=0, what="GiB of host RAM"),
+                    help="GiB of host RAM per node (default: detected)")
 
 
 def _load(params: str):
@@ -102,15 +105,16 @@ def cmd_max_context(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="longft max-context",
                                  description="Longest context (multiple of 1024) that fits.")
     _add_run_args(ap)
-    ap.add_argument("--max-seq", type=int, default=None,
+    ap.add_argument("--max-seq", type=integer(least=SEQ_STEP, what="tokens"), default=None,
                     help="upper end of the search (default: the model's max_position_embeddings)")
     ap.add_argument("--confirm", action="store_true",
                     help="then confirm with short real runs at the candidate lengths, longest first "
                     "(longft.run.confirm; docs/estimator.md)")
-    ap.add_argument("--iterations", type=int, default=2, help="--confirm: training steps per run")
-    ap.add_argument("--work", type=Path, help="--confirm: work folder, one seq-<L>/ per run "
+    ap.add_argument("--iterations", type=integer(least=1, what="steps"), default=2,
+                    help="--confirm: training steps per run")
+    ap.add_argument("--work", type=out_dir, help="--confirm: work folder, one seq-<L>/ per run "
                     "(default: <tmp>/longft-max-context)")
-    ap.add_argument("--out", type=Path, help="--confirm: JSON report "
+    ap.add_argument("--out", type=out_file, help="--confirm: JSON report "
                     "(default: <work>/max_context.json)")
     a = ap.parse_args(argv)
     from longft.hardware import detect
@@ -123,6 +127,8 @@ def cmd_max_context(argv: list[str]) -> int:
     if gpu_mem is None:
         print("longft max-context: no GPU here; pass --gpu-mem", file=sys.stderr)
         return 2
+    if a.max_seq is not None:
+        within_positions(cfg.model, a.max_seq, "--max-seq")
     top = a.max_seq or arch.get("max_position_embeddings") or 1 << 20
     base = setup_from_config(cfg, resolved)
     if cfg.kernels.tiled_mlp == "auto" and not (cfg.lora.rank > 0 and cfg.lora.dropout > 0):

@@ -20,6 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from longft.cli.argtypes import integer, number, out_file
 from longft.cli.overlay_file import write_overlay
 from longft.estimate.estimator import GIB, format_table
 from longft.estimate.format import unmeasured
@@ -41,16 +42,19 @@ OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="longft placement",
                                  description="Fastest placement that fits, as a params overlay.")
-    ap.add_argument("--gpu-mem", type=float, required=True, help="GiB of one GPU")
-    ap.add_argument("--host-mem", type=float, required=True, help="GiB of host RAM")
-    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--gpu-mem", type=number(above=0, what="GiB of one GPU"), required=True,
+                    help="GiB of one GPU")
+    ap.add_argument("--host-mem", type=number(above=0, what="GiB of host RAM"), required=True,
+                    help="GiB of host RAM")
+    ap.add_argument("--gpus", type=integer(least=1, what="GPUs"), default=1)
     ap.add_argument("--model", help="a name in configs/models, a config path, or a pretrained model "
                     "(default: the params' model.name, kept as it is)")
-    ap.add_argument("--seq", type=int, required=True)
-    ap.add_argument("--out", help="write the overlay YAML here")
+    ap.add_argument("--seq", type=integer(least=1, what="tokens"), required=True,
+                    help="sequence length, within the model's positions")
+    ap.add_argument("--out", type=out_file, help="write the overlay YAML here")
     ap.add_argument("--params", default="params.yaml",
                     help="base params (precision, kernels, LoRA); defaults if the file is absent")
-    ap.add_argument("--max-micro", type=int, default=64)
+    ap.add_argument("--max-micro", type=integer(least=1, what="micro-batch"), default=64)
     ap.add_argument("--gpu-name", help="GPU model for the peak-FLOPS lookup of the speed ranking "
                     "(default: the detected one)")
     ap.add_argument("--optimizer-states", choices=("fp32", "bf16", "any"),
@@ -141,7 +145,7 @@ def _config(a):
 
 def cmd_placement(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    from longft.cli.target import architecture_of, resolve_on_gpu
+    from longft.cli.target import architecture_of, resolve_on_gpu, within_positions
     from longft.estimate.estimator import setup_from_config
     from longft.hardware import detect
 
@@ -156,6 +160,7 @@ def cmd_placement(argv: list[str]) -> int:
         return 2
     hw = detect()
     arch = architecture_of(cfg.model)
+    within_positions(cfg.model, a.seq, "--seq")
     resolved, notes = resolve_on_gpu(cfg, hw, arch["model_type"])
     base = setup_from_config(cfg, resolved)
     gpu_name = a.gpu_name or (hw.gpu_name if hw.device == "cuda" else None)

@@ -14,6 +14,21 @@ def architecture_of(model_cfg) -> dict:
     return architecture(load_model_config(model_cfg))
 
 
+def within_positions(model_cfg, seq: int, arg: str) -> None:
+    """Refuse (UserError) a sequence length the model's positions do not cover, with the range
+    and the way to longer positions (RoPE scaling in the model's config), before any search."""
+    from longft.errors import UserError
+    from longft.model.loading import load_model_config, position_limit
+
+    limit = position_limit(load_model_config(model_cfg))
+    if limit is not None and seq > limit:
+        raise UserError(
+            f"{arg} {seq:,} is past the {limit:,} positions model {model_cfg.name!r} covers: give "
+            f"{arg} from 1 to {limit:,}, or use a model with longer positions or RoPE scaling "
+            f"(rope_scaling with rope_type yarn/linear/dynamic and a factor in its config.json); "
+            f"the patch stage refuses a longer data.max_seq_length")
+
+
 def target_hardware(hw, num_gpus: int):
     """The hardware to resolve `auto` against: this machine's GPU, or, estimating from a machine
     without one, an Ampere-or-newer GPU with Liger installed (said in the output)."""

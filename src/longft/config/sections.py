@@ -195,8 +195,9 @@ class OptimConfig:
     name: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
     """adamw = DeepSpeed's Adam (CPU Adam with offload_optimizer cpu). adamw_8bit = bitsandbytes'
     8-bit AdamW: Adam's m and v in 8-bit blocks on the GPU (2 instead of 8 B per parameter), an
-    alternative to CPU offload (needs zero.offload_optimizer none and a CUDA GPU).
-    paged_adamw_8bit = the same in paged memory that spills to the host under memory pressure."""
+    alternative to CPU offload (needs zero.offload_optimizer none; it also trains on the CPU,
+    config/cpu_rules.py). paged_adamw_8bit = the same in paged memory that spills to the host under
+    memory pressure (CUDA unified memory: a CUDA GPU only)."""
 
 
 @dataclass(frozen=True)

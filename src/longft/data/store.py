@@ -2,7 +2,8 @@
 
 A directory (default data/prepared) with:
   input_ids.npy, labels.npy, position_ids.npy   int32 [num_rows, max_seq_length]
-  meta.json   {num_rows, max_seq_length, vocab_size, pad_token_id, source, format}
+  meta.json   {num_rows, max_seq_length, vocab_size, pad_token_id, source, format,
+               content_sha256 (of the three arrays: what the checkpoints are keyed on)}
   (plus any extra json files, e.g. stats.json)
   eval/       the held-out split (data.eval_samples, split.py) in the same layout, plus
               samples.json (per held-out sample: row, offset, length and the retrieval fields);
@@ -27,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longft.atomic import remove_stale, tmp_prefix
+from longft.atomic import remove_stale, tmp_prefix, write_json
+from longft.content import DATA_KEY, arrays_digest
 from longft.data.errors import DataError
 
 ARRAYS = ("input_ids", "labels", "position_ids")
@@ -80,9 +82,11 @@ class DatasetWriter:
         for a in self.arrays.values():
             a.flush()
         self.arrays.clear()
-        full = {"num_rows": self.num_rows, "max_seq_length": self.max_len, **meta}
+        # what the rows hold, not only how many: the training trajectory keys checkpoints on it
+        full = {"num_rows": self.num_rows, "max_seq_length": self.max_len, **meta,
+                DATA_KEY: arrays_digest(self.tmp)}
         for name, obj in {META: full, **(extra or {})}.items():
-            (self.tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+            write_json(self.tmp / name, obj)
         old = None
         if self.out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=tmp_prefix(f".{self.out_dir.name}.old-"),

@@ -1,9 +1,10 @@
 """Periodic DeepSpeed checkpoints that survive a kill, and resuming from the last complete one.
 
-Layout of checkpoints/:  step-<N>/ (DeepSpeed's files + COMPLETE)  and  final/.
-- A checkpoint is written under `.tmp-step-<N>`, then rank 0 writes COMPLETE into it and renames it
-  to `step-<N>` (a rename is atomic): a kill or a full disk mid-write leaves only a `.tmp-` folder,
-  which is never resumed from and is removed by the next save.
+Layout of checkpoints/:  step-<N>/ (DeepSpeed's files + COMPLETE)  and  final/ (the same, after
+the last step).
+- A checkpoint is written under `.tmp-step-<N>` (`.tmp-final`), then rank 0 writes COMPLETE into it
+  and renames it to `step-<N>` (`final`; a rename is atomic): a kill or a full disk mid-write
+  leaves only a `.tmp-` folder, which is never resumed from and is removed by the next save.
 - COMPLETE holds the run's fingerprint (a hash of every param that changes the training
   trajectory, trajectory.py), so a checkpoint of another configuration is never resumed, and
   the sha256 of every file of the checkpoint (hashed when it is completed, each rank a share).
@@ -16,7 +17,10 @@ Layout of checkpoints/:  step-<N>/ (DeepSpeed's files + COMPLETE)  and  final/.
 - Only the newest `output.keep_last` step checkpoints of this configuration are kept; those of
   other configurations are moved to other/<fingerprint>/ by the train stage before it starts
   (run/configurations.py) and left alone.
-- Resume takes the newest complete checkpoint that loads; one that fails to load (corrupted) is
+- Resume takes the newest complete checkpoint that loads, final/ first when it is of this
+  configuration and its run did not finish (a run whose export failed after the last step resumes
+  there, not at the last periodic checkpoint, and trains no step again; COMPLETE says "finished"
+  once the export is written, and a forced re-run of a finished run retrains); one that fails to load (corrupted) is
   reported and the one before it is used.
 - A write that fails (disk full: ENOSPC/EDQUOT, or torch's zip writer failing with no space left)
   removes its `.tmp-` folder and raises CheckpointError ("disk full while writing checkpoint
@@ -35,15 +39,15 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from longft import atomic
 from longft.engine.trajectory import fingerprint  # noqa: F401 - where callers find it
 from longft.errors import UserError
 from longft.model.quantize import has_quantized_layers
 
 MARKER = "COMPLETE"
 OTHER = "other"  # checkpoints/other/<fingerprint>/: other configurations' checkpoints, kept
+FINAL = "final"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-# torch.save's zip writer reports a full disk as a RuntimeError, not as OSError(ENOSPC)
-_ZIP_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|file write failed")
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -52,7 +56,7 @@ class CheckpointError(UserError, RuntimeError):
 
 def _disk_full(e: BaseException, where: Path) -> bool:
     """For a write that failed (_write_failed): ENOSPC/EDQUOT, or a disk that is (nearly) full."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if atomic.error_code(e) in (errno.ENOSPC, errno.EDQUOT):
         return True
     try:
         du = shutil.disk_usage(where)
@@ -61,13 +65,13 @@ def _disk_full(e: BaseException, where: Path) -> bool:
     return du.free <= max(64 * 2**20, du.total // 1000)
 
 
-def _write_failed(e: BaseException) -> bool:
-    return isinstance(e, OSError) or bool(_ZIP_WRITE_FAILED.search(str(e)))
+_write_failed = atomic.write_failed  # torch's zip writer and safetensors say it in their own errors
 
 
-def _failed(e: BaseException, ckpt_dir: Path, tmp: Path, step: int, fp: str,
+def _failed(e: BaseException, ckpt_dir: Path, tmp: Path, name: str, fp: str,
             keep_last: int) -> CheckpointError:
-    """The error for a failed write of step-<step>, after looking at the disk and removing tmp."""
+    """The error for a failed write of checkpoint `name`, after looking at the disk and removing
+    tmp."""
     full = _disk_full(e, tmp if tmp.exists() else ckpt_dir)
     shutil.rmtree(tmp, ignore_errors=True)  # never resumed from; free what it took
     done = complete_steps(ckpt_dir, fp)
@@ -83,11 +87,11 @@ def _failed(e: BaseException, ckpt_dir: Path, tmp: Path, step: int, fp: str,
         if other.is_dir() and any(other.iterdir()):
             size += (f"; {other} holds other configurations' checkpoints: delete those you "
                      f"will not resume")
-        what = (f"disk full while writing checkpoint step-{step} in {ckpt_dir}: free space or lower "
+        what = (f"disk full while writing checkpoint {name} in {ckpt_dir}: free space or lower "
                 f"output.keep_last (now {keep_last}; a save needs room for keep_last + 1 "
                 f"checkpoints{size})")
     else:
-        what = f"could not write checkpoint step-{step} in {ckpt_dir}: {type(e).__name__}: {e}"
+        what = f"could not write checkpoint {name} in {ckpt_dir}: {atomic.cause(e)}"
     return CheckpointError(f"{what}. The half-written {tmp.name} was removed; {kept}.")
 
 
@@ -228,16 +232,18 @@ def weights_only(engine):
             del ce.load
 
 
-def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_state: dict) -> None:
-    """Write step-<step> atomically on all ranks; prune old ones (rank 0)."""
+def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_state: dict,
+         name: str | None = None) -> None:
+    """Write step-<step> (or `name`: final) atomically on all ranks; prune old steps (rank 0)."""
     import torch.distributed as dist
 
-    tmp_tag = f".tmp-step-{step}"
+    name = name or f"step-{step}"
+    tmp_tag = f".tmp-{name}"
     tmp = ckpt_dir / tmp_tag
     rank = dist.get_rank()
     if rank == 0 and ckpt_dir.is_dir():
         for d in ckpt_dir.iterdir():  # what killed or failed saves left: free the space first
-            if d.name.startswith(".tmp-step-"):
+            if d.name.startswith(".tmp-"):
                 shutil.rmtree(d, ignore_errors=True)
     dist.barrier()
     try:
@@ -248,7 +254,7 @@ def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_stat
     except Exception as e:
         # A rank that fails here exits; the launcher then stops the ranks waiting in the barrier.
         if _write_failed(e):
-            raise _failed(e, ckpt_dir, tmp, step, fp, keep_last) from e
+            raise _failed(e, ckpt_dir, tmp, name, fp, keep_last) from e
         raise
     dist.barrier()
     names = _files(tmp) if rank == 0 else None
@@ -257,11 +263,10 @@ def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_stat
     digests = _shared_digests(tmp, box[0])
     if rank == 0:
         try:
-            (tmp / MARKER).write_text(json.dumps({"fingerprint": fp, "step": step,
-                                                  "sha256": digests}, indent=1))
+            atomic.write_json(tmp / MARKER, {"fingerprint": fp, "step": step, "sha256": digests})
         except OSError as e:
-            raise _failed(e, ckpt_dir, tmp, step, fp, keep_last) from e
-        final = ckpt_dir / f"step-{step}"
+            raise _failed(e, ckpt_dir, tmp, name, fp, keep_last) from e
+        final = ckpt_dir / name
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         for old in complete_steps(ckpt_dir, fp)[keep_last:]:  # newest first
@@ -269,23 +274,61 @@ def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_stat
     dist.barrier()
 
 
+def final_step(ckpt_dir: Path, fp: str) -> int | None:
+    """The step of checkpoints/final when it is complete, of this configuration and of a run that
+    did not finish (its export failed), else None. A finished run's final/ is not resumed: a
+    forced re-run retrains."""
+    try:
+        done = json.loads((Path(ckpt_dir) / FINAL / MARKER).read_text())
+        mine = done.get("fingerprint") == fp and not done.get("finished")
+        return int(done["step"]) if mine else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def mark_finished(ckpt_dir: Path) -> None:
+    """Rank 0, after the export: final/ belongs to a finished run (`final_step`)."""
+    marker = Path(ckpt_dir) / FINAL / MARKER
+    try:
+        done = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return
+    atomic.write_json(marker, {**done, "finished": True})
+
+
+def _candidates(ckpt_dir: Path, fp: str) -> list[tuple[int, str]]:
+    """(step, folder name) of this configuration's complete checkpoints, newest first; final/
+    before a step checkpoint of the same step."""
+    out = [(s, f"step-{s}") for s in complete_steps(ckpt_dir, fp)]
+    last = final_step(ckpt_dir, fp)
+    if last is not None:
+        out.append((last, FINAL))
+    return sorted(out, key=lambda c: (c[0], c[1] == FINAL), reverse=True)
+
+
+def newest(ckpt_dir: Path, fp: str) -> tuple[int, str]:
+    """(step, folder name) of the checkpoint a resume of this configuration tries first, or
+    (0, "")."""
+    return (_candidates(ckpt_dir, fp) or [(0, "")])[0]
+
+
 def resume(engine, ckpt_dir: Path, fp: str, log) -> tuple[int, dict]:
     """Load the newest loadable checkpoint of this configuration; (step, client_state) or (0, {}).
     A checkpoint whose files are not the ones longft completed is refused (`verify`), not
     skipped; every file is unpickled weights_only."""
-    for step in complete_steps(ckpt_dir, fp):
-        verify(ckpt_dir / f"step-{step}")
+    for step, tag in _candidates(ckpt_dir, fp):
+        verify(ckpt_dir / tag)
         try:
             with weights_only(engine):
                 # QLoRA: the frozen base is not in the checkpoint, and bitsandbytes' quantization
                 # state beside it is not a parameter torch's strict load can take
                 path, client = engine.load_checkpoint(
-                    str(ckpt_dir), tag=f"step-{step}",
+                    str(ckpt_dir), tag=tag,
                     load_module_strict=not has_quantized_layers(engine.module))
         except CheckpointError:
             raise
         except Exception as e:  # a corrupted checkpoint: say so and fall back to the one before
-            log(f"checkpoint step-{step} could not be loaded ({type(e).__name__}: {e}); "
+            log(f"checkpoint {tag} could not be loaded ({type(e).__name__}: {e}); "
                 f"trying the previous one")
             continue
         if path is not None:

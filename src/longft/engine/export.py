@@ -10,17 +10,17 @@ state dict), so no GPU ever holds the whole model. With LoRA, `output.export_lor
   to the weights' dtype), which `AutoModelForCausalLM.from_pretrained` loads without peft; the
   adapter it was merged from goes to export/adapter/. With QLoRA (lora.quantize) the adapter is
   merged into the de-quantized base weights, in the training dtype.
-export/ is written as export.tmp beside it and swapped in only when whole; it is a persistent DVC
-output, so a run that is refused (a typo in params.yaml) or fails keeps the previous model.
+export/ is written into a temporary folder beside it and swapped in only when whole (atomic.directory);
+it is a persistent DVC output, so a run that is refused (a typo in params.yaml) or fails (a full
+disk: WriteError, naming the folder) keeps the previous model and leaves no partial folder.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from pathlib import Path
 
+from longft import atomic
 from longft.config.params import Config
 from longft.errors import UserError
 
@@ -87,15 +87,20 @@ def state_dict(engine, zero_stage: int) -> dict | None:
 
 def export(engine, cfg: Config, out_dir: Path, step: int) -> None:
     """Write the model (or LoRA adapter), its config and tokenizer to out_dir; all ranks call it."""
-    from longft.model.loading import load_tokenizer
-
     sd = state_dict(engine, cfg.zero.stage)
     if sd is None:
         return
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     sd = {k: v.detach().cpu().contiguous() for k, v in sd.items()}
+    # Written whole into a temporary folder beside out_dir and swapped in, or not at all: a full
+    # disk or a kill leaves the previous export as it was and no partial folder (atomic.directory;
+    # export/ persists across runs, dvc.yaml)
+    with atomic.directory(Path(out_dir)) as tmp:
+        _write(engine, cfg, sd, tmp, step)
+
+
+def _write(engine, cfg: Config, sd: dict, tmp: Path, step: int) -> None:
+    from longft.model.loading import load_tokenizer
+
     if cfg.lora.rank and cfg.output.export_lora == "merged":
         engine.module.save_pretrained(tmp / "adapter", state_dict=sd, safe_serialization=True)
         if cfg.lora.quantize != "none":  # QLoRA: merged into the de-quantized base weights
@@ -110,14 +115,6 @@ def export(engine, cfg: Config, out_dir: Path, step: int) -> None:
         engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         kind = "lora_adapter" if cfg.lora.rank else "full"
     load_tokenizer(cfg.model).save_pretrained(tmp)
-    (tmp / "longft_export.json").write_text(json.dumps(
-        {"model": cfg.model.name, "source": cfg.model.source, "steps": step,
-         "lora_rank": cfg.lora.rank, "quantize": cfg.lora.quantize, "kind": kind}, indent=2))
-    # The old export is set aside, not deleted, until the new one is in place: a kill at any
-    # point leaves a whole model at out_dir or beside it (export/ persists across runs, dvc.yaml)
-    old = out_dir.with_name(f".{out_dir.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)  # a reader never sees a half-written export
-    shutil.rmtree(old, ignore_errors=True)
+    atomic.write_json(tmp / "longft_export.json",
+                      {"model": cfg.model.name, "source": cfg.model.source, "steps": step,
+                       "lora_rank": cfg.lora.rank, "quantize": cfg.lora.quantize, "kind": kind})

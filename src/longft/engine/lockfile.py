@@ -6,7 +6,15 @@ it. The run's environment record (engine/environment.py, metrics/env.json) carri
 lock's sha256) and `env_lock_differs` (installed packages whose version is not the locked one), so
 that `dvc metrics diff` shows an environment change.
 
-    python -m longft.engine.lockfile          # exit 1, listing them, where this venv differs
+The lock checks itself first: scripts/lock.sh seals it with a last line
+`# longft-lock-sha256: <sha256 of every line above> pins=<n>` (`seal`), and `problems` refuses a
+lock whose lines are not the sealed ones (cut short, edited by hand) or that has a pin without a
+hash, so that a truncated lock is never taken for a whole one; then every locked package's
+installed version is compared with it.
+
+    python -m longft.engine.lockfile                # exit 1, listing them, where this venv differs
+    python -m longft.engine.lockfile --check PATH   # the lock's own check only (set-up, before installing)
+    python -m longft.engine.lockfile --seal PATH    # scripts/lock.sh, after writing the lock
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ LOCK = Path(__file__).resolve().parents[3] / "requirements" / "lock-cpu.txt"
 """The lock in this checkout (src/longft/engine/ -> the repository root)."""
 
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
+SEAL = "# longft-lock-sha256:"
+_SEAL = re.compile(r"^# longft-lock-sha256: ([0-9a-f]{64}) pins=(\d+)$")
 
 
 def canonical(name: str) -> str:
@@ -46,6 +56,69 @@ def digest(path: Path = LOCK) -> str | None:
         return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     except OSError:
         return None
+
+
+def _body(text: str) -> tuple[str, str | None]:
+    """(the lock's lines above its seal, the seal line or None)."""
+    lines = text.splitlines(keepends=True)
+    last = lines[-1].strip() if lines else ""
+    if last.startswith(SEAL):
+        return "".join(lines[:-1]), last
+    return text, None
+
+
+def seal(path: Path) -> str:
+    """Append (or renew) the seal: the sha256 of the lock's lines and how many pins they hold."""
+    body, _ = _body(path.read_text())
+    if body and not body.endswith("\n"):
+        body += "\n"
+    line = f"{SEAL} {hashlib.sha256(body.encode()).hexdigest()} pins={len(pins(body))}"
+    path.write_text(body + line + "\n")
+    return line
+
+
+def _unhashed(text: str) -> list[str]:
+    """Pins without a --hash on their continuation lines (pip --require-hashes refuses them)."""
+    lines = text.splitlines()
+    out = []
+    for i, ln in enumerate(lines):
+        m = _PIN.match(ln.strip())
+        if not m or ln.startswith((" ", "#")):
+            continue
+        block = [ln]
+        for nxt in lines[i + 1:]:
+            if not nxt.startswith(" "):
+                break
+            block.append(nxt)
+        if not any("--hash=sha256:" in b for b in block):
+            out.append(m.group(1))
+    return out
+
+
+def problems(path: Path = LOCK) -> list[str]:
+    """What is wrong with the lock file itself: missing, no seal, lines that are not the sealed
+    ones (a lock cut short or edited), a pin count that differs, a pin without a hash."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        return [f"{path}: cannot be read ({e.strerror or e})"]
+    fix = "write it again with `bash scripts/lock.sh` (or restore it from git)"
+    body, line = _body(text)
+    m = _SEAL.match(line or "")
+    if m is None:
+        return [f"{path} has no seal line ({SEAL} ...) at its end: it was cut short, or not "
+                f"written by scripts/lock.sh; {fix}"]
+    out = []
+    n = len(pins(body))
+    if hashlib.sha256(body.encode()).hexdigest() != m.group(1):
+        out.append(f"{path} is not the lock that was sealed: its lines differ from those "
+                   f"hashed at lock time ({n} pins now, {m.group(2)} sealed); {fix}")
+    elif n != int(m.group(2)):
+        out.append(f"{path}: {n} pins, the seal says {m.group(2)}; {fix}")
+    bare = _unhashed(body)
+    if bare:
+        out.append(f"{path}: {len(bare)} pin(s) without a hash ({', '.join(bare[:3])}); {fix}")
+    return out
 
 
 def _installed(name: str) -> str | None:
@@ -78,16 +151,30 @@ def record(path: Path = LOCK, limit: int = 8) -> dict:
     return {"env_lock": digest(path), "env_lock_differs": diff[:limit] + more}
 
 
-def main() -> int:
-    diff = differs()
-    if not LOCK.is_file():
-        print(f"no lock at {LOCK}", file=sys.stderr)
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--seal":
+        print(f"sealed {argv[1]}: {seal(Path(argv[1]))}")
+        return 0
+    if argv and not (len(argv) == 2 and argv[0] == "--check"):
+        print(__doc__.split("\n\n")[-1], file=sys.stderr)
+        return 2
+    lock = Path(argv[1]) if argv else LOCK
+    bad = problems(lock)
+    if bad:
+        print("\n".join(bad), file=sys.stderr)
         return 1
+    if argv:
+        print(f"{lock}: sealed, {len(pins(lock.read_text()))} pins, each with hashes")
+        return 0
+    diff = differs(lock)
     if diff:
-        print(f"this environment ({sys.prefix}) differs from {LOCK.name} ({digest()}):\n  "
-              + "\n  ".join(diff) + "\nRun `bash scripts/setup.sh` to install the lock.", file=sys.stderr)
+        print(f"this environment ({sys.prefix}) differs from {lock.name} ({digest(lock)}):\n  "
+              + "\n  ".join(diff) + "\nRun `bash scripts/setup.sh` to install the lock.",
+              file=sys.stderr)
         return 1
-    print(f"environment matches {LOCK.name} ({digest()}, {len(pins(LOCK.read_text()))} packages)")
+    print(f"environment matches {lock.name} ({digest(lock)}, {len(pins(lock.read_text()))} "
+          "packages, the lock sealed and whole)")
     return 0
 
 

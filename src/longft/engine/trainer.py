@@ -161,7 +161,9 @@ def _resume(engine, cfg: Config, *, ckpt_dir: Path | None, fp: str, loader, samp
             batches = itertools.chain([next(batches)], batches)
         checkpoint.set_rng_state(client.get("rng", {}))
         if rank == 0:
-            print(f"resumed from {ckpt_dir}/step-{start}", flush=True)
+            tag = checkpoint.FINAL if checkpoint.final_step(ckpt_dir, fp) == start else f"step-{start}"
+            print(f"resumed from {ckpt_dir}/{tag}" + (f" (step {start})" if tag == checkpoint.FINAL
+                                                       else ""), flush=True)
     return start, batches
 
 
@@ -304,10 +306,15 @@ def loop(s: Session, cfg: Config, plan: Plan, *, log: RunLog, ckpt_dir: Path | N
                 bar.close()
                 stop_after(s.engine, cfg, ckpt_dir=ckpt_dir, step=step, fp=s.fingerprint,
                            saved=False, signum=sig, log=log, rank=s.rank)
-        if ckpt_dir is not None and cfg.output.save_checkpoint:
-            s.engine.save_checkpoint(str(ckpt_dir), tag="final")
+        if (ckpt_dir is not None and cfg.output.save_checkpoint
+                and checkpoint.final_step(ckpt_dir, s.fingerprint) != step):  # not resumed from it
+            # like a step checkpoint (atomic, COMPLETE): a run whose export fails resumes here
+            checkpoint.save(s.engine, ckpt_dir, step, s.fingerprint, cfg.output.keep_last,
+                            {"rng": checkpoint.rng_state(), "step": step}, name=checkpoint.FINAL)
         if export_dir is not None:
             export(s.engine, cfg, export_dir, step)
+        if ckpt_dir is not None and cfg.output.save_checkpoint and s.rank == 0:
+            checkpoint.mark_finished(ckpt_dir)  # a re-run retrains; it resumes only an unfinished run
     except stop.Stopped:
         raise
     except torch.OutOfMemoryError as e:

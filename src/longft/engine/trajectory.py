@@ -12,8 +12,12 @@ In the trajectory (a change means a fresh run, never a resume):
   `total_steps`, the number of optimizer steps the LR schedule spans (steps or epochs alike);
 - hardware: the world size (num_gpus x num_nodes) and sequence_parallel; the rest (port, launcher,
   core binding, memory checks) changes no step's result;
-- prepared: rows, tokens and trainable tokens of data/prepared (stats.json), so that a changed
-  data file under the same params is a new trajectory too.
+- prepared: rows, tokens and trainable tokens of data/prepared (stats.json) and the sha256 of its
+  arrays (`content`, content.py), so that a changed data file under the same params is a new
+  trajectory too, even where every count stays the same;
+- inputs: the model's and the tokenizer's content (sha256 of the local files, the config file of a
+  configs/models name, or a hub id's cached commit; content.py): new weights under the same
+  model.name are a new trajectory.
 Left out on purpose: checkpointing.* (recompute gives the same gradients), output.* (what is
 written and kept), track.* (the paths DVC watches; their content shows in `prepared`).
 """
@@ -24,6 +28,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from longft import content
 from longft.config.params import Config, to_dict
 from longft.engine.batches import steps_for_epochs
 
@@ -35,14 +40,27 @@ _NOT_TRAIN = ("iterations", "epochs", "warmup_iterations", "log_every", "eval_ev
 
 
 def _prepared(data_dir: Path | None) -> dict | None:
-    """Rows and tokens of the prepared training data (None: no data_dir, or not prepared)."""
+    """Rows, tokens and the content digest of the prepared training data (None: no data_dir, or
+    not prepared)."""
     if data_dir is None:
         return None
     try:
         stats = json.loads((Path(data_dir) / "stats.json").read_text())
-        return {k: stats.get(k) for k in ("rows", "tokens", "trainable_tokens")}
+        out = {k: stats.get(k) for k in ("rows", "tokens", "trainable_tokens")}
     except (OSError, ValueError, AttributeError):
         return None
+    out["content"] = content.data_digest(Path(data_dir))
+    return out
+
+
+def inputs(cfg: Config) -> dict:
+    """The model's and the tokenizer's content digests (content.source_digest)."""
+    from longft.model.loading import MODELS_DIR, tokenizer_path
+
+    mc = cfg.model
+    shipped = MODELS_DIR / f"{mc.name}.json" if mc.source == "random" else None
+    return {"model": content.source_digest(mc.name, shipped),
+            "tokenizer": content.source_digest(tokenizer_path(mc))}
 
 
 def _rows(data_dir: Path | None) -> int | None:
@@ -76,6 +94,7 @@ def trajectory(cfg: Config, data_dir: Path | None = None) -> dict:
     out["hardware"] = {"world_size": cfg.world_size,
                        "sequence_parallel": cfg.hardware.sequence_parallel}
     out["prepared"] = _prepared(data_dir)
+    out["inputs"] = inputs(cfg)
     out["lr_schedule"] = LR_SCHEDULE
     return out
 

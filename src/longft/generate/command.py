@@ -14,10 +14,11 @@ their trained answer starts and printed with that answer as the reference. Greed
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from longft.atomic import write_json
+from longft.cli.argtypes import integer, number, out_file
 from longft.errors import UserError
 
 
@@ -26,27 +27,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the exported model (default: export, the train stage's output)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a user message to answer; repeat for several (default: held-out records)")
-    p.add_argument("--held-out", type=int, default=None, metavar="N",
+    p.add_argument("--held-out", type=integer(least=1, what="records"), default=None, metavar="N",
                    help="answer the first N held-out records of --data (default 3 without --prompt)")
     p.add_argument("--data", type=Path, default=Path("data/prepared"), metavar="DIR",
                    help="the prepared dataset whose eval/ split --held-out reads")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--max-new-tokens", type=integer(least=1, what="tokens"), default=128, metavar="N")
+    p.add_argument("--temperature", type=number(least=0, what="0: greedy"), default=0.0,
                    help="0 (default): greedy; > 0: sample at this temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
+    p.add_argument("--top-p", type=number(above=0, most=1), default=1.0,
+                   help="with --temperature > 0")
     p.add_argument("--seed", type=int, default=0, help="with --temperature > 0")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
-    p.add_argument("--show-prompt-chars", type=int, default=300, metavar="N",
+    p.add_argument("--show-prompt-chars", type=integer(least=0, what="characters"), default=300,
+                   metavar="N",
                    help="print the last N characters of each prompt (0: none)")
-    p.add_argument("--json", type=Path, metavar="FILE",
+    p.add_argument("--json", type=out_file, metavar="FILE",
                    help="also write [{name, prompt, reference, output}] here")
 
 
 def _device(name: str) -> str:
+    """--device as torch takes it; a CUDA device this torch build or machine does not have is
+    refused (UserError) before the model is loaded."""
     import torch
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {name!r}: give auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is a CPU build" if torch.version.cuda is None
+                   else "no CUDA GPU is visible")
+            raise UserError(f"--device {name}: {why}; use --device cpu (or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+                            f"GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu":
+        raise UserError(f"--device {name!r}: give auto, cpu, cuda or cuda:N")
     return name
 
 
@@ -66,24 +85,11 @@ def generate(export, prompt_ids: list[int], max_new_tokens: int, temperature: fl
     return out[0, len(prompt_ids):].tolist()
 
 
-def _check(args: argparse.Namespace) -> None:
-    problems = []
-    if args.max_new_tokens < 1:
-        problems.append(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.held_out is not None and args.held_out < 1:
-        problems.append(f"--held-out must be >= 1, got {args.held_out}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        problems.append("--temperature must be >= 0 and --top-p in (0, 1]")
-    if problems:
-        raise UserError("; ".join(problems))
-
-
 def main(args: argparse.Namespace) -> int:
     from longft.generate.loading import load_export
     from longft.generate.prompts import chat_prompt, held_out_prompts
 
-    try:
-        _check(args)
+    try:  # the options' ranges were checked as they were parsed (cli/argtypes.py)
         export = load_export(args.export, _device(args.device))
         tok = export.tokenizer
         prompts = [chat_prompt(tok, text, f"prompt {i}") for i, text in enumerate(args.prompt)]
@@ -118,6 +124,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"--- reference\n{res['reference']}")
         print(f"--- generated ({len(new)} tokens)\n{res['output']}", flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        try:
+            write_json(args.json, results)  # whole or not at all; a failure names path and cause
+        except UserError as e:
+            print(f"longft generate: {e}", file=sys.stderr)
+            return 2
     return 0

@@ -48,22 +48,38 @@ def read_info(export_dir: Path) -> dict:
     return info
 
 
+def _weights(export_dir: Path, kind: str):
+    """The exported model; a weights file that cannot be read (cut short, damaged) is refused
+    with its name (ExportMissingError), not a traceback."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        if kind == "lora_adapter":
+            from peft import AutoPeftModelForCausalLM
+
+            return AutoPeftModelForCausalLM.from_pretrained(str(export_dir))
+        return AutoModelForCausalLM.from_pretrained(str(export_dir))
+    except (SafetensorError, OSError, EOFError) as e:
+        files = ", ".join(sorted(p.name for p in export_dir.glob("*.safetensors"))) or "none"
+        raise ExportMissingError(
+            f"{export_dir}/ holds weights that cannot be read (safetensors files: {files}; "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the file was cut "
+            "short or damaged; run the train stage again (`dvc repro`) or restore it "
+            "(`dvc checkout export`)") from None
+
+
 def load_export(export_dir: Path, device: str = "cpu") -> Export:
     """The exported model (eval mode, on `device`) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     export_dir = Path(export_dir)
     info = read_info(export_dir)
-    if info["kind"] == "lora_adapter":
-        if info.get("source") == "random":
-            raise ExportMissingError(
-                f"{export_dir}/ holds a LoRA adapter of a random-init model, whose base weights "
-                "were never saved; export the merged model instead (output.export_lora: merged)")
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(str(export_dir))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(export_dir))
+    if info["kind"] == "lora_adapter" and info.get("source") == "random":
+        raise ExportMissingError(
+            f"{export_dir}/ holds a LoRA adapter of a random-init model, whose base weights "
+            "were never saved; export the merged model instead (output.export_lora: merged)")
+    model = _weights(export_dir, info["kind"])
     tokenizer = AutoTokenizer.from_pretrained(str(export_dir))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

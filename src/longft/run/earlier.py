@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from longft.atomic import write_json
-from longft.engine.checkpoint import MARKER, OTHER, STEP_DIR, complete_steps
+from longft.engine.checkpoint import MARKER, OTHER, STEP_DIR, complete_steps, newest
 from longft.engine.trajectory import differences
 
 RECORD = "TRAJECTORY.json"  # {"fingerprint": ..., "params": trajectory}, in checkpoints/ and runs/train
@@ -74,6 +74,7 @@ class Earlier:
     created: list[Path] = field(default_factory=list)  # files made here, removed by an undo
     lines: list[str] = field(default_factory=list)
     resumable: int = 0  # the newest complete checkpoint of this configuration (0: none)
+    resumable_tag: str = ""  # its folder: step-<N> or final
     started: float = 0.0
     undone: bool = False  # finish() put everything back: the run made no step
 
@@ -100,8 +101,8 @@ class Earlier:
         if self.ckpt_dir is not None:
             self._park(traj, run_owner)
             self._bring_back()
-            self.resumable = (complete_steps(self.ckpt_dir, self.fingerprint) or [0])[0] \
-                if resume else 0
+            self.resumable, self.resumable_tag = newest(self.ckpt_dir, self.fingerprint) \
+                if resume else (0, "")
         run_owner = _read_record(self.run_dir).get("fingerprint") if self.run_dir.is_dir() else None
         here = self.run_dir.is_dir() and any(self.run_dir.iterdir())
         aside = any(dst == self.previous for _, dst in self.moves)  # already, by _bring_back
@@ -195,7 +196,7 @@ class Earlier:
             return ("train: starting at step 0: this run writes no checkpoints "
                     "(output.save_checkpoint false, output.checkpoint_every 0) and resumes none")
         if self.resumable:
-            return (f"train: resuming from {self.ckpt_dir}/step-{self.resumable}: a checkpoint "
+            return (f"train: resuming from {self.ckpt_dir}/{self.resumable_tag}: a checkpoint "
                     f"of this configuration (same training params, fingerprint "
                     f"{self.fingerprint}; output.resume)")
         mine = complete_steps(self.ckpt_dir, self.fingerprint)

@@ -9,7 +9,7 @@ be killed by the OOM killer minutes later, after the model was built and the buf
 refused instead, with the numbers and the fixes. `hardware.host_mem_check: false` turns it off.
 
 writable(): runs/train, checkpoints/ and export/ must be directories this process can create and
-write files in (export/ is written beside itself, as export.tmp, and renamed: its parent too), or
+write files in (export/ is written beside itself, in a temporary folder, and renamed: its parent too), or
 the final checkpoint and the export would fail only after every step had trained.
 """
 
