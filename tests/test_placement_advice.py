@@ -143,7 +143,7 @@ def test_flags_widen_the_search():
         Tuning(0, "none", o) for o in ("adamw", "adamw_8bit")} | {
         Tuning(16, q, o) for q in ("none", "nf4", "int8") for o in ("adamw", "adamw_8bit")}
     lora = from_dict({"lora": {"rank": 32, "quantize": "nf4"}, "optim": {"name": "adamw_8bit"},
-                     "zero": {"offload_optimizer": "none"}})
+                     "zero": {"stage": 2, "offload_optimizer": "none"}})
     assert tunings(lora, "any", None, None)[0] == Tuning(32, "nf4", "adamw_8bit")  # its own first
     with pytest.raises(ValueError, match="add --lora RANK"):
         tunings(cfg, None, "nf4", None)
@@ -266,7 +266,7 @@ def test_qlora_speed_is_lora_plus_dequantization():
 def test_max_context_knows_qlora(tmp_path, on, capsys):
     on(H200)
     p, _ = _params(tmp_path, lora={"rank": 16, "quantize": "nf4"},
-                   zero={"offload_optimizer": "none", "offload_param": "none"},
+                   zero={"stage": 2, "offload_optimizer": "none", "offload_param": "none"},
                    checkpointing={"mode": "cpu_offload"},
                    train={"micro_batch_size": 1, "global_batch_size": 1})
     assert main("max-context", ["--params", str(p), "--gpu-mem", "24", "--host-mem", "60"]) == 0
