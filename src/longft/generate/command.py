@@ -79,7 +79,10 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from longft.engine.harmless_warnings import quiet
     from longft.generate.loading import load_export
+
+    quiet()   # before peft imports bitsandbytes
     from longft.generate.prompts import chat_prompt, held_out_prompts
 
     try:
