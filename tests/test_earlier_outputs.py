@@ -106,3 +106,31 @@ def test_total_steps_and_the_prepared_data_are_in_the_fingerprint_what_is_printe
     assert fingerprint(epochs, data) != fingerprint(from_dict({"train": {"iterations": 6}}),
                                                     tmp_path)  # another data file's tokens
     assert RECORD == "TRAJECTORY.json"
+
+
+def test_a_forced_re_run_of_a_completed_run_retrains_from_step_0(tmp_path):
+    """Issue 48: `dvc repro -f` after a completed run with periodic checkpoints resumed its last
+    step-N and trained the last steps, its throughput mixed from two sessions. A completed run's
+    checkpoints are not resumed: the re-run starts at 0 with fresh measurements; they wait aside
+    until it completes, and a re-run that makes no step leaves them as they were."""
+    a = from_dict({"optim": {"lr": 1e-3}})
+    fp, _ = fake_run(tmp_path, a, when=time.time() - 60)
+    ckpt = tmp_path / "checkpoints"
+    before = tree(tmp_path)
+    e = Earlier(ckpt, tmp_path / "runs" / "train", fp)
+    e.arrange(trajectory(a), resume=True)
+    assert e.resumable == 0 and e.lines[-1].startswith(
+        f"train: starting at step 0: the run of this configuration in {ckpt} completed, step-4 "
+        "its newest checkpoint; a re-run (dvc repro -f) retrains")
+    assert not list(ckpt.glob("step-*")) and not (ckpt / "final").exists()
+    assert not (tmp_path / "runs" / "train" / "rank0.jsonl").exists()   # its own measurements
+    assert e.finish(2).startswith("train: the run ended before its first step")
+    assert tree(tmp_path) == before                                     # a refusal changes nothing
+    e = Earlier(ckpt, tmp_path / "runs" / "train", fp)
+    e.arrange(trajectory(a), resume=True)
+    assert e.resumable == 0                                             # still not resumed
+    (tmp_path / "runs" / "train" / "rank0.jsonl").write_text(json.dumps(
+        {"type": "iter", "step": 1, "t": time.time() + 1}) + "\n")
+    (ckpt / "final").mkdir()
+    assert e.finish(0) is None
+    assert not (ckpt / "other").exists() and json.loads((ckpt / RECORD).read_text())["complete"]

@@ -41,7 +41,8 @@ def test_qlora_runs_on_zero2():
     assert qlora_zero_stage(3, 16, "int8") == 2
     assert qlora_zero_stage(3, 16, "none") == 3
     assert qlora_zero_stage(3, 0, "nf4") == 3              # no LoRA: nothing is quantized
-    cfg = from_dict({"lora": {"rank": 16, "quantize": "nf4"}, "zero": {"offload_param": "none"}})
+    cfg = from_dict({"lora": {"rank": 16, "quantize": "nf4"},
+                     "zero": {"stage": 2, "offload_param": "none"}})
     s = setup_from_config(cfg, {"device": "cuda", "precision": "bf16", "attention": "sdpa",
                                 "sdpa_backend": "flash", "liger": True, "checkpointing": "gpu",
                                 "tiled_mlp": False, "host_grad_buffer": "full",

@@ -7,8 +7,13 @@
   the memory plot's y is the run's own process-tree RSS);
 - README.md's own-data quick start (between <!-- quickstart-own-data --> markers), pasted as
   written with a tiny model saved by save_pretrained and a small jsonl: `dvc add`, `dvc exp run`,
-  `longft generate`; no experiment commits the data or the model to git.
-The tests share one repository and run in file order (the width check before the own-data run)."""
+  `longft generate`; no experiment commits the data or the model to git;
+- then README.md's comparison (between <!-- compare-experiments --> markers), pasted as written
+  (issue 48): the baseline committed, two `dvc exp run --temp` experiments that each start from the
+  committed params, and its `dvc exp show` with every changed param and the headline numbers whole
+  within 120 columns.
+The tests share one repository and run in file order (the width check before the own-data run, the
+comparison last: it commits the own-data run onto master)."""
 
 import json
 import re
@@ -34,12 +39,11 @@ def sh(*cmd, cwd, check=True):
     return p.stdout + p.stderr
 
 
-def quickstart_block(readme: Path) -> str:
-    """The shell commands between the quickstart-own-data markers of README.md."""
+def quickstart_block(readme: Path, marker: str = "quickstart-own-data") -> str:
+    """The shell commands between the `marker` markers of README.md."""
     text = readme.read_text()
-    m = re.search(r"<!-- quickstart-own-data -->\s*```bash\n(.*?)```\s*<!-- /quickstart-own-data -->",
-                  text, re.S)
-    assert m, "README.md has no ```bash block between the quickstart-own-data markers"
+    m = re.search(rf"<!-- {marker} -->\s*```bash\n(.*?)```\s*<!-- /{marker} -->", text, re.S)
+    assert m, f"README.md has no ```bash block between the {marker} markers"
     return m.group(1)
 
 
@@ -59,7 +63,10 @@ def repo(tmp_path_factory):
     sh("dvc", "repro", cwd=root)
     sh("git", "add", "-A", cwd=root)
     sh(*GIT, "commit", "-qm", "run 1", cwd=root)
-    sh("dvc", "exp", "run", "-n", "lr-lora", "-S", "optim.lr=0.003", "-S", "lora.rank=4", cwd=root)
+    # --temp: the workspace keeps the committed params, so the quick start after it does not
+    # inherit lr-lora's (issue 48)
+    sh("dvc", "exp", "run", "--temp", "-n", "lr-lora", "-S", "optim.lr=0.003", "-S", "lora.rank=4",
+       cwd=root)
     return root
 
 
@@ -180,3 +187,43 @@ def test_no_experiment_commits_the_data_or_the_model_to_git(own_data):
 def test_plots_compare_the_own_data_experiment_too(own_data):
     root, _ = own_data
     plots_diff(root, "master", "lr-lora", "my-data")
+
+
+@pytest.fixture(scope="module")
+def compared(own_data):
+    """README's comparison after the own-data quick start, pasted as written (the table apart)."""
+    root, _ = own_data
+    block = quickstart_block(REPO / "README.md", "compare-experiments")
+    show = [line for line in block.splitlines() if line.startswith("dvc exp show")]
+    assert len(show) == 1, block
+    sh("bash", "-e", "-c", block.replace(show[0], ""), cwd=root)
+    return root, show[0].split("#")[0].strip()
+
+
+def test_compared_experiments_each_start_from_the_committed_params(compared):
+    root, _ = compared
+    committed = yaml.safe_load(sh("git", "show", "HEAD:params.yaml", cwd=root))
+    assert committed["data"]["path"] == "mydata/train.jsonl"   # the own-data run is the baseline
+    assert (committed["optim"]["lr"], committed["lora"]["rank"]) == (0.001, 0)  # not lr-lora's
+    assert (root / "params.yaml").read_text() == sh("git", "show", "HEAD:params.yaml", cwd=root)
+    for name, changed in (("rank-8", {("lora", "rank"): 8}), ("lr-3e-4", {("optim", "lr"): 3e-4})):
+        ref = "refs/exps/" + _exp_ref(root, name)
+        params = yaml.safe_load(sh("git", "show", ref + ":params.yaml", cwd=root))
+        expected = merge(committed, {k[0]: {k[1]: v} for k, v in changed.items()})
+        assert params == expected, name    # no other experiment's params leaked in
+        head = json.loads(sh("git", "show", ref + ":metrics/headline.json", cwd=root))
+        assert head["status"] == "complete", name
+
+
+def test_compared_exp_show_fits_120_columns_with_every_changed_param(compared):
+    root, show = compared
+    out = sh("env", "COLUMNS=120", "bash", "-c", show + " --no-pager", cwd=root)
+    lines = out.rstrip("\n").splitlines()
+    widths = [len(line) for line in lines]
+    assert max(widths) <= 120, out
+    assert "…" not in out, out   # no param or number cut
+    header = " ".join(lines[:3])
+    for col in ("Experiment", "lora.rank", "optim.lr", "loss", "eval_loss", "tok_s"):
+        assert col in header.split(), (col, out)
+    assert re.search(r"\[rank-8\] .* 0\.001 +8 ", out), out        # lr from the committed params
+    assert re.search(r"\[lr-3e-4\] .* 0\.0003 +0 ", out), out      # rank too, not rank-8's

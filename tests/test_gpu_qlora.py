@@ -48,7 +48,7 @@ def test_qlora_trains_on_cuda_with(combo, quantize, tmp_path):
     if combo not in _LORA:  # plain LoRA on the same rows, run once per combination
         _LORA[combo] = _run(tmp_path / "lora", over)[0]
     lora = _LORA[combo]
-    q, plan = _run(tmp_path / "q", {**over, "lora": {"quantize": quantize}})
+    q, plan = _run(tmp_path / "q", {**over, "lora": {"quantize": quantize}, "zero": {"stage": 2}})
     assert plan["resolved"]["quantize"]["value"] == quantize
     assert plan["config"]["zero"]["stage"] == 2
     assert len(q) == 6 and q[-1] < q[0]            # it learns

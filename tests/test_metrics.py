@@ -145,6 +145,22 @@ def test_profiled_steps_are_left_out_of_the_speed_numbers_like_warmup(tmp_path):
     assert [r["timed"] for r in rows] == [False, False, False, True, True]
 
 
+def test_a_resumed_run_is_timed_on_its_last_session_only(tmp_path):
+    """Issue 48: steps 1-3 ran in one session, the run resumed after step 3 and ran 4 and 5 (its
+    step 4 warming up again, as the trainer marks it): tokens/s is step 5's alone."""
+    run = make_run(tmp_path / "run")
+    for rank in (0, 1):
+        f = run / f"rank{rank}.jsonl"
+        recs = [json.loads(x) for x in f.read_text().splitlines()]
+        recs = [{**r, "session": 3, "timed": r["step"] > 4} if r.get("step", 0) > 3 else r
+                for r in recs]
+        f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    train, _, rows = summarize(run, PLAN)
+    assert train["steps"] == 5 and train["timed_steps"] == 1 and train["timed_from_step"] == 3
+    assert train["tokens_per_s"] == pytest.approx(1900 / 2.4, abs=0.01)   # step 5 alone
+    assert [r["session"] for r in rows] == [0, 0, 0, 3, 3]
+
+
 def test_truncated_last_line_is_ignored(tmp_path):
     run = make_run(tmp_path / "run")
     with open(run / "rank1.jsonl", "a") as f:

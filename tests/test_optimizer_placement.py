@@ -320,7 +320,8 @@ def test_the_search_copies_back_as_copy_back_auto_would():
 @pytest.mark.parametrize("over", [
     {}, {"zero": {"offload_param": "cpu"}}, {"zero": {"offload_optimizer": "none"}},
     {"zero": {"stage": 2}}, {"zero": {"optimizer_states": "bf16"}}, {"precision": "fp32"},
-    {"precision": "fp16"}, {"lora": {"rank": 8, "quantize": "nf4"}}, {"lora": {"rank": 8}},
+    {"precision": "fp16"}, {"lora": {"rank": 8, "quantize": "nf4"}, "zero": {"stage": 2}},
+    {"lora": {"rank": 8}},
     {"zero": {"offload_ratio": 0.5}}, {"hardware": {"device": "cpu"}},
     {"zero": {"offload_optimizer": "nvme", "nvme_path": "/tmp"}},
 ])

@@ -110,6 +110,30 @@ def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, o
         "# longft placement, instead of the asked run: LoRA r=16")
     assert _refit(q, 8, 16, CPU)
     assert "(within 3 % of a budget)" in text            # the longest contexts fill a budget
+    # issue 48: each file is named with the line that runs it, and that line, pasted, runs it
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(to_dict(Config()), sort_keys=False))
+    assert _pasted_run_lines(text, capsys) == {f.removesuffix(".yaml") for f in files}
+    assert "run it: " + _run_line(tmp_path / "ov.lora-r-16.yaml") in text   # the recommended
+
+
+def _run_line(path) -> str:
+    return f"longft sweep {path} --temp"
+
+
+def _pasted_run_lines(text: str, capsys) -> set[str]:
+    """Run every `longft sweep FILE --temp` line of a placement's output as pasted (with --dry-run
+    added); the experiment names their `dvc exp run --temp` lines give."""
+    import shlex
+
+    from longft.cli.main import main as longft
+
+    names = set()
+    for line in sorted(set(re.findall(r"longft sweep \S+ --temp", text))):
+        assert longft(shlex.split(line)[1:] + ["--dry-run"]) == 0, capsys.readouterr().err
+        dvc = capsys.readouterr().out.strip()
+        assert dvc.startswith("dvc exp run --temp -S ") and "\n" not in dvc, dvc
+        names.add(dvc.rsplit(" -n ", 1)[1])
+    return names
 
 
 def test_qlora_and_8bit_are_searched_only_when_allowed():
@@ -143,7 +167,7 @@ def test_flags_widen_the_search():
         Tuning(0, "none", o) for o in ("adamw", "adamw_8bit")} | {
         Tuning(16, q, o) for q in ("none", "nf4", "int8") for o in ("adamw", "adamw_8bit")}
     lora = from_dict({"lora": {"rank": 32, "quantize": "nf4"}, "optim": {"name": "adamw_8bit"},
-                     "zero": {"offload_optimizer": "none"}})
+                     "zero": {"stage": 2, "offload_optimizer": "none"}})
     assert tunings(lora, "any", None, None)[0] == Tuning(32, "nf4", "adamw_8bit")  # its own first
     with pytest.raises(ValueError, match="add --lora RANK"):
         tunings(cfg, None, "nf4", None)
@@ -189,7 +213,8 @@ def test_overlay_keeps_the_params_model_data_and_lora(tmp_path, on, capsys, mode
         assert "has the architecture of the params' model" in text
 
 
-def test_overlay_for_another_model_says_it_replaces_the_params_model(tmp_path, on, capsys):
+def test_overlay_for_another_model_says_it_replaces_the_params_model(tmp_path, monkeypatch, on,
+                                                                     capsys):
     on(H200)
     p, _ = _params(tmp_path)
     out = tmp_path / "ov.yaml"
@@ -197,7 +222,11 @@ def test_overlay_for_another_model_says_it_replaces_the_params_model(tmp_path, o
                          str(p), "--model", "llama3.2-1b", "--max-micro", "2", "--out",
                          str(out)]) == 0
     assert yaml.safe_load(out.read_text())["model"] == {"name": "llama3.2-1b", "source": "random"}
-    assert "it replaces the params' model" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "it replaces the params' model" in text
+    assert f"wrote {out}; run it as a DVC experiment: {_run_line(out)}" in text
+    monkeypatch.chdir(tmp_path)   # beside the params the overlay is merged onto
+    assert _pasted_run_lines(text, capsys) == {"ov"}
 
 
 def _fake(c: Candidate, tok_s: float, gpu_gib: float, host_gib: float) -> Candidate:
@@ -266,7 +295,7 @@ def test_qlora_speed_is_lora_plus_dequantization():
 def test_max_context_knows_qlora(tmp_path, on, capsys):
     on(H200)
     p, _ = _params(tmp_path, lora={"rank": 16, "quantize": "nf4"},
-                   zero={"offload_optimizer": "none", "offload_param": "none"},
+                   zero={"stage": 2, "offload_optimizer": "none", "offload_param": "none"},
                    checkpointing={"mode": "cpu_offload"},
                    train={"micro_batch_size": 1, "global_batch_size": 1})
     assert main("max-context", ["--params", str(p), "--gpu-mem", "24", "--host-mem", "60"]) == 0

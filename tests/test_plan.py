@@ -330,7 +330,7 @@ def test_make_plan_unknown_architecture():
     ({"zero": {"stage": 2}}, "zero.stage 3"),
     ({"zero": {"optimizer_states": "bf16"}}, "zero.optimizer_states: fp32"),
     ({"precision": "fp32"}, "bf16 or fp16"),
-    ({"lora": {"rank": 8, "quantize": "nf4"}}, "zero.stage 3"),        # QLoRA runs on ZeRO-2
+    ({"lora": {"rank": 8, "quantize": "nf4"}, "zero": {"stage": 2}}, "zero.stage 3"),  # QLoRA: ZeRO-2
 ])
 def test_copy_back_chunked_runs_only_where_the_step_converts_host_master_into_gpu_partitions(over, expected):
     from longft.config.params import merge

@@ -33,9 +33,9 @@ def test_qlora_runs_on_zero2_and_the_plan_says_why():
     from longft.hardware.machine import Hardware
     from longft.hardware.policy import resolve
 
-    cfg = from_dict({"lora": {"rank": 8, "quantize": "nf4"}})
-    assert cfg.zero.stage == 2  # params say 3 (the default): QLoRA moves to 2
-    assert from_dict({"lora": {"rank": 8}}).zero.stage == 3  # plain LoRA keeps it
+    cfg = from_dict({"lora": {"rank": 8, "quantize": "nf4"}, "zero": {"stage": 2}})
+    assert cfg.zero.stage == 2  # what params say is what runs
+    assert from_dict({"lora": {"rank": 8}}).zero.stage == 3  # plain LoRA keeps the default
     cpu = Hardware(device="cpu", gpu_name=None, gpu_count=0, capability=None, gpu_mem_gib=None,
                    host_mem_gib=24, cpu_count=2, flash_attn=False, liger=False)
     choice = resolve(cfg, cpu, "llama")["quantize"]
@@ -44,9 +44,12 @@ def test_qlora_runs_on_zero2_and_the_plan_says_why():
 
 @pytest.mark.parametrize("overlay, message", [
     ({"lora": {"quantize": "nf4"}}, "lora.quantize: nf4 .* needs lora.rank > 0"),
-    ({"lora": {"rank": 8, "quantize": "nf4"}, "zero": {"offload_param": "cpu"}},
+    # params (and dvc exp show) would say 3 while it ran on 2: refused with the fix instead
+    ({"lora": {"rank": 8, "quantize": "nf4"}}, r"zero.stage: 3, but lora.quantize nf4 runs on "
+                                               r"ZeRO-2 .*set zero.stage: 2 \(-S zero.stage=2\)"),
+    ({"lora": {"rank": 8, "quantize": "nf4"}, "zero": {"stage": 2, "offload_param": "cpu"}},
      "zero.offload_param: a ZeRO-3 feature, but lora.quantize nf4 runs on ZeRO-2"),
-    ({"lora": {"rank": 8, "quantize": "int8"}, "zero": {"offload_ratio": 0.5}},
+    ({"lora": {"rank": 8, "quantize": "int8"}, "zero": {"stage": 2, "offload_ratio": 0.5}},
      "zero.offload_ratio: a ZeRO-3 feature"),
     ({"optim": {"name": "adamw_8bit"}}, "set zero.offload_optimizer: none"),
     ({"optim": {"name": "adamw_8bit"}, "zero": {"offload_optimizer": "none",
@@ -201,7 +204,8 @@ def test_qlora_follows_lora_and_exports_an_adapter_and_a_merged_model(tmp_path, 
     base_dir = _base(tmp_path, byte_tokenizer)
     lora, _ = _run(tmp_path / "lora", base_dir, {})
     qlora, rows = _run(tmp_path / "qlora", base_dir, {
-        "lora": {"quantize": "nf4"}, "output": {"export": True, "export_lora": "merged"}})
+        "lora": {"quantize": "nf4"}, "zero": {"stage": 2},
+        "output": {"export": True, "export_lora": "merged"}})
     assert sorted(qlora) == sorted(lora) == [1, 2, 3, 4, 5, 6]
     assert qlora[6] < qlora[1] - 0.1  # it learns
     for s in lora:
@@ -241,7 +245,7 @@ def test_qlora_resume_is_exact(tmp_path, byte_tokenizer):
 
     base_dir = _base(tmp_path, byte_tokenizer)
     work = tmp_path / "run"
-    ref, _ = _run(work, base_dir, {"lora": {"quantize": "nf4"},
+    ref, _ = _run(work, base_dir, {"lora": {"quantize": "nf4"}, "zero": {"stage": 2},
                                    "output": {"checkpoint_every": 2, "keep_last": 3}})
     steps = sorted(p for p in work.glob("checkpoints/**/step-*") if p.is_dir())
     assert [p.name for p in steps] == ["step-2", "step-4"]  # the periodic ones (not the last step)

@@ -9,6 +9,7 @@ null metrics, so e.g. `peak_vram` and `gpu_name` are absent on CPU.
 """
 
 import copy
+import dataclasses
 import json
 import re
 import sys
@@ -101,6 +102,11 @@ def test_gpu_run_from_synthetic_exp_show(exp_show, params):
     named = report.render_table(rows, [], names=True).splitlines()
     assert named[0].startswith("| Run | Setup |")
     assert named[2].startswith("| master (0058e7b) | 8xH200")
+    # issue 48: two rows that read alike (experiments of one setup) are told apart by name
+    assert report.render_table(rows, [], names=None).splitlines()[0].startswith("| Setup |")
+    twin = dataclasses.replace(rows[0], name="lr-3e-4 (ae30811)", lr=3e-4)
+    both = report.render_table(rows + [twin], [], names=None).splitlines()
+    assert both[0].startswith("| Run | Setup |") and both[3].startswith("| lr-3e-4 (ae30811) |")
 
 
 def test_rows_left_out_with_reason(params):
@@ -220,7 +226,8 @@ def test_cli_report_from_saved_exp_json(tmp_path, capsys):
                    "--plots", str(tmp_path / "plots")])
     assert rc == 0
     text = out.read_text()
-    assert text.splitlines()[0] == HEADER and "| 2048 |" in text
+    # two of its rows read the same setup, model and context: the Run column tells them apart
+    assert text.splitlines()[0] == "| Run " + HEADER and "| 2048 |" in text
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(report.PLOT_FILES)
     assert "3 row(s)" in capsys.readouterr().err
 

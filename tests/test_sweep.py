@@ -100,7 +100,7 @@ def test_every_problem_listed_before_anything_is_queued(workdir, monkeypatch, ca
 
 def test_not_a_list_and_only_filter(workdir):
     with pytest.raises(sweep.SweepError, match="expected a non-empty YAML list"):
-        sweep.load(write(workdir / "g.yaml", "model.name: x\n"))
+        sweep.load(write(workdir / "g.yaml", "just text\n"))
     grid = write(workdir / "grid.yaml", GRID)
     assert [r.name for r in sweep.load(grid, only=("8b-*",))] == ["8b-128k-2gpu"]
     with pytest.raises(sweep.SweepError, match="no row name matches 1b-"):
@@ -206,3 +206,27 @@ def test_queue_for_real(workdir, monkeypatch):
     (p,) = queued.values()  # no name in the grid: DVC made one up
     assert (p["model"]["name"], p["model"]["source"], p["precision"], p["optim"]["betas"]) == \
         ("Qwen/Qwen2.5-14B", "pretrained", "bf16", [0.9, 0.99])
+
+
+def test_one_overlay_runs_now_in_a_temporary_copy(workdir, monkeypatch, capsys):
+    """Issue 48: a `longft placement --out` overlay (one nested mapping, with its comment header) is
+    one row named after its file, run with `dvc exp run --temp` (the workspace's params.yaml is not
+    changed, so the next experiment does not inherit it); its problems are refused like a row's."""
+    ov = write(workdir / "overlay.lora-r-16.yaml", "# longft placement: ...\n"
+               "data: {max_seq_length: 8192}\nzero: {stage: 3, offload_param: cpu}\n"
+               "lora: {rank: 16, quantize: none}\n")
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "run",
+                        lambda cmd: calls.append(cmd) or sweep.subprocess.CompletedProcess(cmd, 0))
+    before = (workdir / "params.yaml").read_text()
+    assert cli.main(["sweep", str(ov), "--temp"]) == 0
+    assert calls == [[sweep.sys.executable, "-m", "dvc", "exp", "run", "--temp",
+                      "-S", "data.max_seq_length=8192", "-S", "zero.stage=3",
+                      "-S", "zero.offload_param=cpu", "-S", "lora.rank=16",
+                      "-S", "lora.quantize=none", "-n", "overlay.lora-r-16"]]
+    assert (workdir / "params.yaml").read_text() == before
+    assert "1 experiment(s) ran" in capsys.readouterr().out
+    bad = write(workdir / "q.yaml", "lora: {rank: 16, quantize: nf4}\n")
+    assert cli.main(["sweep", str(bad), "--temp"]) == 2
+    assert "zero.stage: 3, but lora.quantize nf4 runs on ZeRO-2" in capsys.readouterr().err
+    assert len(calls) == 1

@@ -1,12 +1,20 @@
 """A `longft placement` overlay, printed or written to a file with a header of what it predicts
-(`longft placement` and its advice when nothing fits both write them)."""
+(`longft placement` and its advice when nothing fits both write them), and the one line that runs
+a written one as a DVC experiment (`run_line`)."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from longft.estimate.estimator import GIB, describe
 from longft.estimate.placement import Candidate, near_budget
+
+
+def run_line(path: str | Path) -> str:
+    """The command that runs an overlay file as a DVC experiment named after it, merged onto the
+    committed ./params.yaml, in a temporary copy (run/sweep.py: `dvc exp run --temp -S ...`)."""
+    return f"longft sweep {shlex.quote(str(path))} --temp"
 
 
 def write_overlay(out: str | None, ov: dict, c: Candidate, *, gpu_mem: float, host_mem: float,
@@ -26,6 +34,6 @@ def write_overlay(out: str | None, ov: dict, c: Candidate, *, gpu_mem: float, ho
 
         write_text(Path(out), head + text)
         if not quiet:
-            print(f"\nwrote {out}")
+            print(f"\nwrote {out}; run it as a DVC experiment: {run_line(out)}")
     else:
         print("\n" + head + text)

@@ -83,8 +83,13 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
             print(f"{'':6s}{alt.note}")
         if alt.candidate and not alt.candidate.setup.nvme:   # NVMe needs its path: --nvme-path
             shown.show(alt.change, alt.candidate, alt.gpus)
+    from longft.cli.overlay_file import run_line
+
+    if shown.written:
+        print(f"\nwrote (each runs as a DVC experiment named after its file; {a.out} itself is not "
+              "written, the asked run does not fit):")
     for p in shown.written:
-        print(f"wrote {p}")
+        print(f"  {p}: {run_line(p)}")
     rec = recommended(alts)
     if rec is None:
         print("\nno single change makes it fit; the longest contexts above are what fits")
@@ -95,4 +100,7 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
           "searches it as the asked run):")
     write_overlay(None, overlay(c, rec.gpus, model_over, None), c, gpu_mem=a.gpu_mem,
                   host_mem=a.host_mem, title=f"longft placement, instead of the asked run: {rec.change}")
+    path = _alt_path(a.out, rec.change) if a.out else None
+    if path in shown.written:
+        print(f"run it: {run_line(path)}")
     return 1

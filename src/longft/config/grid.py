@@ -3,8 +3,10 @@ report metadata. `longft sweep` (run/sweep.py) validates the rows against params
 `longft report --grid` (metrics/grid_report.py) matches them to results.
 
 A grid file is a YAML list of rows. Each row maps dotted param keys (`zero.offload_param`) to
-values, plus an optional `name`; YAML anchors and `<<:` merge keys share values between rows. The
-first item may instead be report metadata, which `longft sweep` ignores:
+values, plus an optional `name`; YAML anchors and `<<:` merge keys share values between rows. A
+file that is one mapping (a params overlay, as `longft placement --out` writes) is one row, named
+after the file (`overlay_name`). The first item may instead be report metadata, which
+`longft sweep` ignores:
 
     - report: {x: train.micro_batch_size, series: [zero.offload_param]}   # both optional
 
@@ -109,12 +111,15 @@ def parse_grid_meta(raw: Any) -> tuple[list[GridRow], GridMeta, list[str]]:
     params)."""
     problems: list[str] = []
     meta = GridMeta()
+    if isinstance(raw, dict) and raw and set(raw) != {META_KEY}:
+        raw = [raw]    # one overlay: one row
     if isinstance(raw, list) and raw and isinstance(raw[0], dict) and set(raw[0]) == {META_KEY}:
         meta = _meta(raw[0], problems)
         raw = raw[1:]
     if not isinstance(raw, list) or not raw:
         return [], meta, problems + [
-            "expected a non-empty YAML list of rows (mappings of dotted param keys)"]
+            "expected a non-empty YAML list of rows (mappings of dotted param keys), or one "
+            "mapping of params (an overlay)"]
     rows, names = [], set()
     for i, item in enumerate(raw):
         where = f"row {i + 1}"
@@ -148,6 +153,13 @@ def parse_grid_meta(raw: Any) -> tuple[list[GridRow], GridMeta, list[str]]:
         if not clash:
             rows.append(GridRow(name, flat, i + 1))
     return rows, meta, problems
+
+
+def overlay_name(path: Path) -> str:
+    """The experiment name of a one-overlay file: its file name without .yaml, made a valid name
+    (overlay.lora-r-16.yaml -> overlay.lora-r-16)."""
+    stem = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", Path(path).stem))
+    return stem.strip("-._") or "overlay"   # matches NAME_RE
 
 
 def parse_grid(raw: Any) -> tuple[list[GridRow], list[str]]:

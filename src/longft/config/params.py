@@ -15,7 +15,7 @@ from typing import Optional
 
 import yaml
 
-from longft.config import checks, qlora
+from longft.config import checks
 from longft.config.sections import (
     NOTHING_TO_TRACK,
     CheckpointingConfig,
@@ -62,7 +62,7 @@ def from_dict(raw: dict, source: str = "params.yaml") -> Config:
     problems += checks.problems(cfg)
     if problems:
         raise ConfigError(problems, source)
-    return qlora.with_stage(cfg)
+    return cfg
 
 
 def load(path: str | Path = "params.yaml", overrides: Optional[dict] = None) -> Config:

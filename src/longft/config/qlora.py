@@ -2,13 +2,12 @@
 
 QLoRA runs on ZeRO-2: the frozen 4/8-bit base weights stay whole on each GPU, and only the
 adapters (and their optimizer states) are partitioned. ZeRO-3 would partition the packed weights
-but not bitsandbytes' quantization state that travels beside them, so `with_stage` moves a QLoRA
-run that params put on stage 3 to stage 2, and the plan says why (hardware.policy).
+but not bitsandbytes' quantization state that travels beside them, so a QLoRA run on zero.stage 3 is
+refused with the fix (zero.stage: 2): params.yaml, the plan, the metrics and `dvc exp show` all say
+the stage that runs. The plan's `quantize` choice gives the reason (hardware.policy).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from longft.config.sections import Config
 
@@ -25,21 +24,13 @@ def is_qlora(lora_rank: int, quantize: str) -> bool:
 
 
 def stage(zero_stage: int, lora_rank: int, quantize: str) -> int:
-    """The ZeRO stage a run trains on: QLORA_STAGE for QLoRA, `zero_stage` otherwise. The one rule:
-    the config (`with_stage`), the plan and the estimator (estimate/*) all take it from here."""
+    """The ZeRO stage a QLoRA run needs (QLORA_STAGE), `zero_stage` otherwise. The one rule: the
+    check that refuses another stage (`quantize`) and the estimator (estimate/*) take it from here."""
     return QLORA_STAGE if is_qlora(lora_rank, quantize) else zero_stage
 
 
 def quantized(cfg: Config) -> bool:
     return is_qlora(cfg.lora.rank, cfg.lora.quantize)
-
-
-def with_stage(cfg: Config) -> Config:
-    """cfg with zero.stage 2 where QLoRA needs it (after `checks.problems` found nothing)."""
-    s = stage(cfg.zero.stage, cfg.lora.rank, cfg.lora.quantize)
-    if s != cfg.zero.stage:
-        return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=s))
-    return cfg
 
 
 def quantize(cfg: Config) -> list[str]:
@@ -52,6 +43,10 @@ def quantize(cfg: Config) -> list[str]:
                  f"(QLoRA) and needs lora.rank > 0; set lora.rank (e.g. 16) or lora.quantize: none")
     if q != "none" and cfg.lora.rank > 0:
         why = f"lora.quantize {q} runs on ZeRO-2 (the quantized weights stay whole on each GPU)"
+        if z.stage != stage(z.stage, cfg.lora.rank, q):
+            p.append(f"zero.stage: {z.stage}, but {why}: ZeRO-3 would partition the packed "
+                     f"weights but not bitsandbytes' quantization state beside them; set "
+                     f"zero.stage: 2 (-S zero.stage=2), or lora.quantize: none")
         zero3_only = [("zero.offload_param", z.offload_param != "none", "none"),
                       ("zero.offload_optimizer", z.offload_optimizer == "nvme", "cpu or none"),
                       ("zero.offload_ratio", z.offload_ratio < 1, "1.0"),

@@ -274,7 +274,8 @@ class LoraConfig:
     quantize: Literal["none", "nf4", "int8"] = "none"
     """LoRA only: the frozen base weights in bitsandbytes' 4-bit NF4 with double quantization
     (QLoRA) or 8-bit, computing in the training dtype; the adapters stay in the training dtype.
-    none = base weights in the training dtype."""
+    QLoRA runs on ZeRO-2: it needs zero.stage 2 (stage 3 is refused with the fix, so params say
+    what runs). none = base weights in the training dtype."""
 
 
 @dataclass(frozen=True)

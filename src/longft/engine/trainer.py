@@ -227,7 +227,10 @@ def _log_step(s: Session, step: int, rec: train_step.StepRecord, *, cfg: Config,
                             f"on on garbage. Lower optim.lr, check the data, or use bf16")
     epoch = passes(step, s.rows, s.world, cfg.train.micro_batch_size, cfg.grad_accum_steps) \
         if s.rows else None
-    log.write("iter", **rec.fields(), step=step, timed=step > cfg.train.warmup_iterations,
+    # a resumed session warms up again; `session` (the step it resumed after) keeps each session's
+    # timing apart: throughput is one session's (metrics/summary.py)
+    log.write("iter", **rec.fields(), step=step, timed=step > s.start + cfg.train.warmup_iterations,
+              session=s.start,
               seq_tokens=cfg.grad_accum_steps * cfg.train.micro_batch_size * cfg.data.max_seq_length,
               max_allocated_bytes=torch.cuda.max_memory_allocated() if s.cuda else None,
               max_reserved_bytes=torch.cuda.max_memory_reserved() if s.cuda else None,

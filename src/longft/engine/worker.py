@@ -12,11 +12,11 @@ import json
 import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from longft.config.params import load
 from longft.config.plan import Plan
+from longft.engine import harmless_warnings
 from longft.engine.checkpoint import disk_full_message
 from longft.engine.opbuild import diagnose, watch_build_locks
 from longft.engine.stop import Stopped, StopRequest
@@ -48,9 +48,7 @@ def _main(argv: list[str] | None, stopper: StopRequest) -> int:
     ap.add_argument("--export", default=None)
     a = ap.parse_args(argv)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # DeepSpeed 0.19 calls c10d collectives that torch 2.13 marks deprecated, once per call.
-    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+.* is deprecated",
-                            category=FutureWarning)
+    harmless_warnings.quiet()   # third-party lines that say nothing to a user (their reasons there)
     try:
         cfg = load(a.params)
         plan = Plan.read(a.plan)

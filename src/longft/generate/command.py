@@ -86,7 +86,10 @@ def generate(export, prompt_ids: list[int], max_new_tokens: int, temperature: fl
 
 
 def main(args: argparse.Namespace) -> int:
+    from longft.engine.harmless_warnings import quiet
     from longft.generate.loading import load_export
+
+    quiet()   # before peft imports bitsandbytes
     from longft.generate.prompts import chat_prompt, held_out_prompts
 
     try:  # the options' ranges were checked as they were parsed (cli/argtypes.py)

@@ -295,7 +295,7 @@ def resolve_copy_back(cfg: Config, device: str, precision: str) -> tuple[Choice,
     master weights on the host into 16-bit GPU partitions; auto = chunked there (measured), else
     DeepSpeed's own copy."""
     z = cfg.zero
-    stage = qlora.with_stage(cfg).zero.stage  # QLoRA runs on ZeRO-2
+    stage = z.stage  # QLoRA runs on ZeRO-2 (config/qlora.py refuses it on 3)
     why_not = why_not_chunked_copy_back(device, stage, z.offload_optimizer, z.offload_param,
                                         precision, z.optimizer_states)
     if z.copy_back == "chunked":

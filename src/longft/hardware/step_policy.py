@@ -3,7 +3,6 @@ the one rule that hardware/policy.py resolves and the DeepSpeed config follows."
 
 from __future__ import annotations
 
-from longft.config import qlora
 from longft.config.params import Config
 from longft.config.plan import Choice
 
@@ -14,7 +13,7 @@ WHY = ("each step's CPU Adam runs during the next forward, sub-group by sub-grou
 def why_not_overlap_step(cfg: Config, device: str) -> list[str]:
     """What zero.overlap_step needs that this setup lacks ([] = it applies)."""
     z = cfg.zero
-    stage = qlora.with_stage(cfg).zero.stage  # QLoRA runs on ZeRO-2
+    stage = z.stage  # QLoRA runs on ZeRO-2 (config/qlora.py refuses it on 3)
     processes = cfg.hardware.num_gpus * cfg.hardware.num_nodes
     return [why for why, bad in (
         ("a GPU", device != "cuda"), ("zero.stage 3", stage != 3),

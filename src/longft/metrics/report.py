@@ -163,9 +163,12 @@ def _batch(r: Row) -> str:
 
 
 def render_table(rows: list[Row], notes: list[str], source: str = "",
-                 names: bool = False) -> str:
-    """Markdown: the table (with a leading Run column when `names`), what the columns mean, and
-    one line per run left out."""
+                 names: bool | None = False) -> str:
+    """Markdown: the table (with a leading Run column when `names`; None: when two rows would
+    otherwise read the same setup, model and context), what the columns mean, and one line per
+    run left out."""
+    if names is None:
+        names = len({(r.setup, r.model, r.seq_len) for r in rows}) < len(rows)
     head = (("Run",) if names else ()) + COLUMNS
     lines = ["| " + " | ".join(head) + " |",
              "|" + "---|" * (len(head) - NUMERIC) + "---:|" * NUMERIC]
@@ -260,7 +263,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           " (metrics/results_table.py)")
     p.add_argument("-A", "--all-commits", action="store_true",
                    help="every commit and its experiments (dvc exp show -A)")
-    p.add_argument("--names", action="store_true", help="add a Run column (experiment name)")
+    p.add_argument("--names", action="store_true", help="add a Run column (experiment name); added anyway when two "
+                   "rows share setup, model and context")
     p.add_argument("--out", metavar="FILE", type=Path, help="write the markdown here, not stdout")
     p.add_argument("--plots", metavar="DIR", type=Path,
                    help="write " + " and ".join(PLOT_FILES) + " here (with --grid: GRID_STEM.png)")
@@ -288,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"longft report: {e}", file=sys.stderr)
         return 1
     rows, more = build_rows(runs)
-    text = render_table(rows, notes + more, source, names=args.names)
+    text = render_table(rows, notes + more, source, names=args.names or None)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_text(args.out, text)  # a reader never sees half a table

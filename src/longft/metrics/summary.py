@@ -122,6 +122,7 @@ def _step_rows(ranks: dict[int, RankLog]) -> list[dict]:
             else sum(_num(x.get("doc_sq_tokens")) or 0.0 for x in recs),
             # warm-up and profiled steps (the profiler's overhead) are not timed
             "timed": all(x.get("timed") is True and x.get("profiled") is not True for x in recs),
+            "session": int(_num(recs[0].get("session")) or 0),  # the step a resumed session began after
             "skipped": any(x.get("skipped") is True for x in recs),
             "t": _max(_num(x.get("t")) for x in recs), **phases,
             "vram_alloc_gib": _gib(_max(_num(x.get("max_allocated_bytes")) for x in recs)),
@@ -209,7 +210,10 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
         for r in range(world_size))
 
     rows = _step_rows(ranks)
-    timed = [r for r in rows if r["timed"] and r["iter_latency_s"] is not None]
+    # timing from the last session only: a resumed run never mixes two sessions' throughput
+    last = max((r["session"] for r in rows), default=0)
+    timed = [r for r in rows if r["timed"] and r["session"] == last
+             and r["iter_latency_s"] is not None]
     lat = [r["iter_latency_s"] for r in timed]
     time_sum = sum(lat)
     tokens_per_s = sum(r["tokens"] for r in timed) / time_sum if time_sum > 0 else None
@@ -249,6 +253,7 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
                             None),
         "steps": len(rows),
         "timed_steps": len(timed),
+        "timed_from_step": last,  # > 0: a resumed run, timed on the steps after it resumed
         "tokens_per_s": _r(tokens_per_s, 2),
         "tokens_per_s_per_gpu": _r(tokens_per_s / world_size, 2)
         if tokens_per_s is not None and world_size else None,

@@ -11,6 +11,10 @@ configuration (fingerprint and params). Before any rank starts, `Earlier.arrange
   checkpoints/other/<fingerprint>/ when its params were set back: the run resumes them;
 - moves runs/train of the run before aside (runs/.train.previous) when this run starts afresh;
 - says in one line which checkpoint the run resumes and why, or why none.
+A run that completed marks its configuration's record complete; a run of the same configuration
+after it (`dvc repro -f`, `dvc exp run -f`) retrains from step 0 instead of resuming the completed
+run's last periodic checkpoint: those checkpoints wait in checkpoints/other/<fingerprint>.completed/
+until it completes (then they are deleted: it replaced them), and its measurements are its own.
 After the run, `Earlier.finish`: a run that completed deletes runs/.train.previous; a run that
 ended before its first step (refused or failed at start) puts everything back where it was, so a
 refusal changes nothing; a run stopped or failed later keeps its own measurements in runs/train
@@ -77,6 +81,7 @@ class Earlier:
     resumable_tag: str = ""  # its folder: step-<N> or final
     started: float = 0.0
     undone: bool = False  # finish() put everything back: the run made no step
+    completed: int = -1  # a completed run of this configuration retrained: its newest step (0: none)
 
     @property
     def previous(self) -> Path:
@@ -101,6 +106,7 @@ class Earlier:
         if self.ckpt_dir is not None:
             self._park(traj, run_owner)
             self._bring_back()
+            self._retire_completed()
             self.resumable, self.resumable_tag = newest(self.ckpt_dir, self.fingerprint) \
                 if resume else (0, "")
         run_owner = _read_record(self.run_dir).get("fingerprint") if self.run_dir.is_dir() else None
@@ -118,6 +124,24 @@ class Earlier:
             self._record(self.ckpt_dir, {"fingerprint": self.fingerprint, "params": traj})
         self.lines.append(self._why(resume))
         self.started = time.time()
+
+    @property
+    def retired(self) -> Path:
+        """Where a completed run's checkpoints of this configuration wait while it is re-run."""
+        return self.ckpt_dir / OTHER / f"{self.fingerprint}.completed"
+
+    def _retire_completed(self) -> None:
+        """A completed run of this configuration is not resumed (a forced re-run retrains): its
+        checkpoints move aside, to be deleted once this run completes."""
+        ckpt = self.ckpt_dir
+        record = _read_record(ckpt)
+        if record.get("fingerprint") != self.fingerprint or not record.get("complete"):
+            return
+        steps = complete_steps(ckpt, self.fingerprint)
+        self.completed = steps[0] if steps else 0
+        for name in [f"step-{n}" for n in steps] + ["final", "latest"]:
+            if (ckpt / name).exists():
+                self._move(ckpt / name, self.retired / name)
 
     def _record(self, d: Path, rec: dict) -> None:
         if not (d / RECORD).exists():
@@ -195,6 +219,11 @@ class Earlier:
         if self.ckpt_dir is None:
             return ("train: starting at step 0: this run writes no checkpoints "
                     "(output.save_checkpoint false, output.checkpoint_every 0) and resumes none")
+        if self.completed >= 0:
+            newest = f", step-{self.completed} its newest checkpoint" if self.completed else ""
+            return (f"train: starting at step 0: the run of this configuration in "
+                    f"{self.ckpt_dir} completed{newest}; a re-run (dvc repro -f) retrains and "
+                    f"measures itself (its checkpoints wait in {self.retired}/ until it completes)")
         if self.resumable:
             return (f"train: resuming from {self.ckpt_dir}/{self.resumable_tag}: a checkpoint "
                     f"of this configuration (same training params, fingerprint "
@@ -228,6 +257,12 @@ class Earlier:
         """After the run with exit status `code`: a line to print, or None."""
         if code == 0:
             shutil.rmtree(self.previous, ignore_errors=True)
+            if self.ckpt_dir is not None:
+                shutil.rmtree(self.retired, ignore_errors=True)   # this run replaced them
+                other = self.ckpt_dir / OTHER
+                if other.is_dir() and not any(other.iterdir()):
+                    other.rmdir()
+                write_json(self.ckpt_dir / RECORD, {**_read_record(self.ckpt_dir), "complete": True})
             return None
         if not self.made_a_step():
             if not self.moves:
@@ -257,4 +292,6 @@ class Earlier:
                     d.rmdir()
         if other is not None and other.is_dir() and not any(other.iterdir()):
             other.rmdir()
+        if self.completed >= 0:   # still the completed run's checkpoints: not to be resumed
+            write_json(self.ckpt_dir / RECORD, {**_read_record(self.ckpt_dir), "complete": True})
         self.moves.clear()

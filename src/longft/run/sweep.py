@@ -1,11 +1,18 @@
-"""`longft sweep`: queue a grid of runs as DVC experiments, one `dvc exp run --queue -S ...`
-per row.
+"""`longft sweep`: a grid of runs (or one overlay) as DVC experiments, one
+`dvc exp run --queue -S ...` (or `dvc exp run --temp -S ...`) per row.
 
     longft sweep bench/grids/reference.yaml --dry-run       # print the dvc commands only
     longft sweep bench/grids/reference.yaml                 # queue every row
     longft sweep bench/grids/reference.yaml --run           # queue, then `dvc queue start --jobs 1`
     longft sweep bench/grids/reference.yaml --only '8b-*'   # the rows whose name matches
     longft sweep GRID.yaml --overlays bench/configs/grid    # scripts/bench.py overlays (no DVC)
+    longft sweep overlay.yaml --temp                        # a `longft placement` overlay, run now
+
+With --temp each row runs now, one after another, in the foreground, as
+`dvc exp run --temp -n NAME -S ...`: in a temporary copy of the workspace, which (params.yaml
+included) stays as it is, so every row starts from the same params and a failed row leaves nothing
+behind. A file that is one mapping (an overlay, as `longft placement --out` writes) is one row,
+named after the file (overlay.lora-r-16.yaml -> experiment overlay.lora-r-16).
 
 A grid file is a YAML list of rows. Each row maps dotted param keys (`zero.offload_param`) to
 values, plus an optional `name` for the experiment; YAML anchors and `<<:` merge keys share common
@@ -19,6 +26,7 @@ Queued runs start one at a time (`--jobs 1`): each run takes the whole GPU box.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import re
 import subprocess
@@ -29,7 +37,7 @@ from typing import Any
 import yaml
 
 from longft.atomic import write_text
-from longft.config.grid import NAME_RE, GridError, GridRow, parse_grid, read_raw  # noqa: F401 (re-exported)
+from longft.config.grid import NAME_RE, GridError, GridRow, overlay_name, parse_grid, read_raw  # noqa: F401 (re-exported)
 from longft.config.grid import nest as _nest
 from longft.config.params import ConfigError, from_dict, merge
 from longft.config.typed_yaml import DuplicateKeyError, load_yaml
@@ -72,6 +80,8 @@ def load(grid_path: Path, base_path: Path = Path("params.yaml"),
         hint = "" if Path(base_path).is_file() else f" (run from the folder with {base_path})"
         raise SweepError([f"{e}{hint}"], str(base_path)) from None
     rows, problems = parse_grid(raw)
+    if isinstance(raw, dict) and rows and rows[0].name is None:   # one overlay: named by its file
+        rows = [dataclasses.replace(rows[0], name=overlay_name(grid_path))]
     if only:
         rows = [r for r in rows if r.name and any(fnmatch.fnmatchcase(r.name, p) for p in only)]
         if not rows and not problems:
@@ -102,9 +112,9 @@ def hydra_value(value: Any) -> str:
     raise TypeError(f"cannot pass {value!r} to dvc exp run -S")
 
 
-def queue_args(row: GridRow) -> list[str]:
-    """`dvc exp run --queue` arguments (after `dvc`) for one row."""
-    args = ["exp", "run", "--queue"]
+def queue_args(row: GridRow, how: str = "--queue") -> list[str]:
+    """`dvc exp run --queue` (or `how`: --temp) arguments (after `dvc`) for one row."""
+    args = ["exp", "run", how]
     for key, value in row.overrides.items():
         args += ["-S", f"{key}={hydra_value(value)}"]
     return args + (["-n", row.name] if row.name else [])
@@ -141,6 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--run", action="store_true",
                       help="after queuing, start the queue: dvc queue start --jobs 1")
+    what.add_argument("--temp", action="store_true",
+                      help="run each row now, one after another, with dvc exp run --temp (in a "
+                      "temporary copy: the workspace and its params.yaml stay as they are)")
     what.add_argument("--overlays", metavar="DIR", type=Path,
                       help="write scripts/bench.py overlays (DIR/NAME.yaml) instead of queuing")
 
@@ -155,7 +168,7 @@ def main(args: argparse.Namespace) -> int:
         for path in write_overlays(rows, args.overlays, f"{args.grid}"):
             print(path)
         return 0
-    commands = [queue_args(row) for row in rows]
+    commands = [queue_args(row, "--temp" if args.temp else "--queue") for row in rows]
     commands += [START] if args.run else []
     if args.dry_run:
         for cmd in commands:
@@ -164,12 +177,20 @@ def main(args: argparse.Namespace) -> int:
     for i, cmd in enumerate(commands):
         print(f"$ {shell_line(cmd)}", flush=True)
         code = subprocess.run([sys.executable, "-m", "dvc", *cmd]).returncode
+        if code and args.temp:
+            print(f"longft sweep: `{shell_line(cmd)}` exited {code}; {i} row(s) before it ran "
+                  "(`dvc exp show`); the workspace is as it was", file=sys.stderr)
+            return 1
         if code:
             print(f"longft sweep: `{shell_line(cmd)}` exited {code}; {min(i, len(rows))} row(s)"
                   " before it are queued (`dvc queue status`, `dvc queue remove NAME`)",
                   file=sys.stderr)
             return 1
-    if args.run:
+    if args.temp:
+        print(f"longft sweep: {len(rows)} experiment(s) ran; compare them with "
+              "`dvc exp show --only-changed --drop '.*/|Created'`, or bring one into the "
+              "workspace with `dvc exp apply NAME`")
+    elif args.run:
         print(f"longft sweep: {len(rows)} experiment(s) running one at a time; follow with "
               "`dvc queue status` and `dvc queue logs NAME`, then `longft report`")
     else:
