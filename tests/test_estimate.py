@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from longft.config.params import from_dict
+from longft.config.params import ConfigError, from_dict
 from longft.config.plan import Resolved
 from longft.estimate.estimator import (
     GIB,
@@ -372,6 +372,8 @@ def test_qlora_runs_on_zero_2_by_one_rule():
     from longft.estimate import quantized
 
     assert quantized.qlora_zero_stage is qlora.stage
-    cfg = from_dict({"lora": {"rank": 16, "quantize": "nf4"}})
+    with pytest.raises(ConfigError, match=r"zero\.stage=2"):   # params name the stage that runs
+        from_dict({"lora": {"rank": 16, "quantize": "nf4"}})
+    cfg = from_dict({"lora": {"rank": 16, "quantize": "nf4"}, "zero": {"stage": 2}})
     s = setup_from_config(cfg, {**RESOLVED, "quantize": Choice("nf4", "")})
     assert s.zero_stage == qlora.QLORA_STAGE == 2
