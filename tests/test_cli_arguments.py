@@ -1,13 +1,13 @@
 """Every argument of the `longft` commands is checked as it is parsed, before any work, and a bad
 one is refused with its allowed range (issue 49): sizes > 0, finite numbers, lengths within the
-model's positions, output paths that can be written. The mechanism (cli/argtypes.py) first, then
+model's positions, output paths that can be written. The mechanism (longft/argtypes.py) first, then
 the cases users met in `longft placement` and `longft max-context`."""
 
 import argparse
 
 import pytest
 
-from longft.cli.argtypes import integer, number, out_dir, out_file
+from longft.argtypes import integer, number, out_dir, out_file
 from longft.cli.estimate import main
 
 

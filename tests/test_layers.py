@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "longft"
-LAYERS = ["errors", "atomic", "content", "config", "hardware", "compat", "model", "data", "measure", "engine", "estimate",
-          "metrics", "run", "generate", "cli"]
+LAYERS = ["errors", "atomic", "argtypes", "content", "config", "hardware", "compat", "model", "data", "measure",
+          "engine", "estimate", "metrics", "run", "generate", "cli"]
 """Lowest first: a module may import its own package and those before it."""
 
 

@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import sys
 
-from longft.cli.argtypes import integer, number, out_dir, out_file
+from longft.argtypes import integer, number, out_dir, out_file
 from longft.cli.target import architecture_of as _architecture
 from longft.cli.target import resolve_on_gpu as _resolve
 from longft.cli.target import within_positions

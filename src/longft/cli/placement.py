@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from longft.cli.argtypes import integer, number, out_file
+from longft.argtypes import integer, number, out_file
 from longft.cli.overlay_file import write_overlay
 from longft.estimate.estimator import GIB, format_table
 from longft.estimate.format import unmeasured

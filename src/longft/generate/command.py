@@ -17,8 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from longft.argtypes import integer, number, out_file
 from longft.atomic import write_json
-from longft.cli.argtypes import integer, number, out_file
 from longft.errors import UserError
 
 
@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
     quiet()   # before peft imports bitsandbytes
     from longft.generate.prompts import chat_prompt, held_out_prompts
 
-    try:  # the options' ranges were checked as they were parsed (cli/argtypes.py)
+    try:  # the options' ranges were checked as they were parsed (longft/argtypes.py)
         export = load_export(args.export, _device(args.device))
         tok = export.tokenizer
         prompts = [chat_prompt(tok, text, f"prompt {i}") for i, text in enumerate(args.prompt)]
