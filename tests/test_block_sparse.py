@@ -184,3 +184,32 @@ def test_shapes_the_blocks_do_not_fit_are_refused_before_any_weight_is_read():
                                                                                       "w9"]}})
     found = rules.shape_problems(too_many, linears)
     assert any("w9" in p for p in found) and any("exceeds the 16 blocks" in p for p in found)
+
+
+def test_estimator_counts_the_blocks_as_the_trained_parameters_and_the_warmup_buffer():
+    import dataclasses
+
+    from longft.estimate.arch import trainable_numels
+    from longft.estimate.estimator import estimate
+    from longft.estimate.types import Setup
+
+    arch = dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                vocab_size=128256, tie_word_embeddings=False)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    full = Setup(1, 32768, zero_stage=3, offload_optimizer=True)
+    lora = dataclasses.replace(full, lora_rank=16, lora_targets=targets)
+    # 32 blocks of 64 x 64 a matrix: 131,072, LoRA r=16 on the 8B's linears averages 86,894
+    sparse = dataclasses.replace(full, sparse_blocks=32, sparse_block_size=64,
+                                 sparse_targets=targets)
+    assert sum(trainable_numels(arch, sparse)) == 32 * 64 * 64 * 7 * 32
+    e_full, e_lora, e_sparse = (estimate(arch, s) for s in (full, lora, sparse))
+    names = {i.name: i.bytes for i in e_sparse.items}
+    assert names["weights: trained blocks (partitions)"] == 2 * 32 * 64 * 64 * 7 * 32
+    warm = names["sparse warm-up: fp32 gradient of the largest target + block masses"]
+    assert warm == 4 * (14336 * 4096 + 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096
+                                              + 3 * 4096 * 14336) // 4096)
+    assert not [i for i in e_lora.items if "sparse" in i.name]
+    # optimizer states for the blocks alone: host memory far below full finetuning's
+    assert e_sparse.host_rss < e_full.host_rss / 3
+    assert abs(e_sparse.host_rss - e_lora.host_rss) < 2**30
