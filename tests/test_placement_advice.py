@@ -100,10 +100,12 @@ def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, o
                        "65536", "--max-micro", "2", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 1 and not out.exists()
-    assert text.count("overlay: {") == 3                 # longest LoRA, QLoRA; LoRA at 64K
+    assert text.count("overlay: {") == 4  # longest LoRA, QLoRA; LoRA, block-sparse at 64K
     files = sorted(p.name for p in tmp_path.glob("ov.*.yaml"))
-    assert files == ["ov.longest-lora-r-16.yaml", "ov.longest-qlora-nf4-r-16.yaml",
-                     "ov.lora-r-16.yaml"]
+    assert files == ["ov.block-sparse-25-x-64-2.yaml", "ov.longest-lora-r-16.yaml",
+                     "ov.longest-qlora-nf4-r-16.yaml", "ov.lora-r-16.yaml"]
+    sparse = yaml.safe_load((tmp_path / "ov.block-sparse-25-x-64-2.yaml").read_text())
+    assert sparse["sparse"] == {"blocks": 25, "block_size": 64} and sparse["lora"]["rank"] == 0
     q = yaml.safe_load((tmp_path / "ov.longest-qlora-nf4-r-16.yaml").read_text())
     assert q["lora"] == {"rank": 16, "quantize": "nf4"} and q["zero"]["stage"] == 2
     assert (tmp_path / "ov.lora-r-16.yaml").read_text().startswith(

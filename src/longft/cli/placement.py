@@ -96,6 +96,9 @@ def tunings(cfg, lora: str | None, quantize: str | None, optimizer: str | None) 
                          "--lora any (the params train all parameters)")
     opts = ["adamw", "adamw_8bit"] if optimizer == "any" else [optimizer or cfg.optim.name]
     out = [Tuning(r, q if r else "none", o) for r in ranks for q in quants for o in opts]
+    if cfg.sparse.blocks and lora is None:  # the params train blocks (sparse.*): search that
+        out = [Tuning(0, "none", o, cfg.sparse.blocks, cfg.sparse.block_size) for o in opts]
+        own = out[0]
     out = list(dict.fromkeys(out))
     return tuple(sorted(out, key=lambda t: t != own))
 

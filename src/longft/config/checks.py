@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from longft.config import cpu_rules, qlora
+from longft.config import block_sparse, cpu_rules, qlora
 from longft.config.sections import Config
 
 
@@ -247,6 +247,6 @@ def _cpu_device(cfg: Config) -> list[str]:
 
 
 SECTIONS = (_data, _train, _hardware, _optim, _zero, _kernels, _checkpointing, _output, _lora,
-            _cpu_device)
+            block_sparse.problems, _cpu_device)
 """The rule functions `problems` runs, in this order: one per params.yaml section (model, precision
 and track have none of their own), then the CPU device's rules across sections."""

@@ -279,6 +279,24 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class SparseConfig:
+    """Block-sparse finetuning (model/block_sparse.py): each target matrix trains only its `blocks`
+    block_size x block_size blocks of largest gradient mass, picked by a warm-up of full gradients;
+    the rest of the weight stays frozen and the optimizer holds states for the blocks alone."""
+
+    blocks: int = 0
+    """Blocks trained per target matrix; 0 = off. Trainable parameters = blocks x block_size^2 x
+    target matrices (LoRA's rank r on an [out x in] matrix trains r x (in + out))."""
+    block_size: int = 64
+    """Rows and columns of a block; it divides the in- and out-features of every target."""
+    warmup_steps: int = 4
+    """Micro-batches of full gradients (no update) before the first step: each block's summed
+    |gradient| over them picks the blocks (ties to the lower index; all ranks pick the same)."""
+    target_modules: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     save_checkpoint: bool = True
     """Write a DeepSpeed checkpoint at the end of training (checkpoints/)."""
@@ -345,6 +363,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     track: TrackConfig = field(default_factory=TrackConfig)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from longft.config.params import Config
 from longft.config.plan import Plan
 from longft.errors import TrainingError
+from longft.model import block_sparse
 from longft.model import patches as patch
 from longft.model.loading import build_model
 from longft.model.quantize import quantize_linears
@@ -18,7 +19,7 @@ def build(cfg: Config, plan: Plan, ds: dict):
     ZeRO-3's zero.Init (`keep`, the HfDeepSpeedConfig that makes transformers do so, must live as
     long as the model), patched (Liger, SDPA backend, tiled MLP, kept attention, packed attention),
     its checkpoints offloaded (`offloader`, or None), its LoRA-targeted layers quantized
-    (lora.quantize, QLoRA) and LoRA-wrapped, in that order."""
+    (lora.quantize, QLoRA) and LoRA-wrapped or given trainable blocks (sparse.*), in that order."""
     import torch
 
     r = plan.resolved
@@ -64,6 +65,9 @@ def build(cfg: Config, plan: Plan, ds: dict):
             for p in model.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(dtype)
+    if cfg.sparse.blocks > 0:  # block-sparse finetuning: trainable blocks, chosen by the warm-up
+        block_sparse.attach(model, cfg.sparse.target_modules, cfg.sparse.blocks,
+                            cfg.sparse.block_size, dtype)
     return model, keep, offloader
 
 

@@ -10,6 +10,8 @@ state dict), so no GPU ever holds the whole model. With LoRA, `output.export_lor
   to the weights' dtype), which `AutoModelForCausalLM.from_pretrained` loads without peft; the
   adapter it was merged from goes to export/adapter/. With QLoRA (lora.quantize) the adapter is
   merged into the de-quantized base weights, in the training dtype.
+With block-sparse finetuning (sparse.blocks) the trained blocks are added into their weights
+(model/block_sparse.merged_state_dict): a plain model, loaded like a full finetune's.
 export/ is written into a temporary folder beside it and swapped in only when whole (atomic.directory);
 it is a persistent DVC output, so a run that is refused (a typo in params.yaml) or fails (a full
 disk: WriteError, naming the folder) keeps the previous model and leaves no partial folder.
@@ -111,6 +113,10 @@ def _write(engine, cfg: Config, sd: dict, tmp: Path, step: int) -> None:
         engine.module.get_base_model().save_pretrained(tmp, state_dict=merged,
                                                        safe_serialization=True)
         kind = "lora_merged"
+    elif cfg.sparse.blocks:  # block-sparse: the blocks merged into the weights, a plain model
+        from longft.model.block_sparse import merged_state_dict
+        engine.module.save_pretrained(tmp, state_dict=merged_state_dict(sd), safe_serialization=True)
+        kind = "block_sparse_merged"
     else:
         engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         kind = "lora_adapter" if cfg.lora.rank else "full"

@@ -21,6 +21,7 @@ from longft.config.params import Config
 from longft.config.plan import Patches, Plan
 from longft.data.store import PreparedDataset
 from longft.engine import (
+    block_warmup,
     checkpoint,
     ds_config,
     profiling,
@@ -193,6 +194,12 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
                             sampler=sampler, rank=rank)
     if sp is not None:
         batches = sp.shard(batches, pad_id, engine.device)
+    if cfg.sparse.blocks and not start:  # a resumed run loaded its blocks with the checkpoint
+        picked = block_warmup.choose(
+            engine, cfg, loader.dataset, rank=rank, world=world, pad_id=pad_id, offloader=offloader,
+            packed=plan.resolved.packed_attention.value in PASSES_BOUNDARIES)
+        if rank == 0:
+            print(f"longft: sparse warm-up: {picked}", flush=True)
     deferred = patch_optimizer(engine, cfg, plan, rank)
     if cuda:
         # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:

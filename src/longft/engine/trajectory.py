@@ -3,7 +3,7 @@ what the steps compute, its fingerprint (written into every checkpoint's COMPLET
 differences between two of them, named by their param keys.
 
 In the trajectory (a change means a fresh run, never a resume):
-- model, data, kernels, precision, lora, optim: every key;
+- model, data, kernels, precision, lora, optim: every key; sparse: every key when sparse.blocks > 0;
 - zero: every key but host_grad_buffer, nvme_path, copy_back and overlap_step (where gradients are
   staged on the host, where NVMe swap files live, how the updated weights are copied and when the
   update runs change no result; the checkpoint holds the states);
@@ -88,6 +88,8 @@ def trajectory(cfg: Config, data_dir: Path | None = None) -> dict:
     docstring for what is in and what is left out, and why."""
     d = to_dict(cfg)
     out = {k: d[k] for k in ("model", "data", "kernels", "precision", "lora", "optim")}
+    if cfg.sparse.blocks:  # only when on: the fingerprints of other runs stay as they were
+        out["sparse"] = d["sparse"]
     out["zero"] = {k: v for k, v in d["zero"].items() if k not in _NOT_ZERO}
     out["train"] = {k: v for k, v in d["train"].items() if k not in _NOT_TRAIN}
     out["train"]["total_steps"] = total_steps(cfg, data_dir)

@@ -147,6 +147,16 @@ def kinds(base: Setup) -> tuple[Tuning, Tuning, Tuning]:
             Tuning(r, "nf4", base.optimizer))
 
 
+def sparse_like(arch: dict, lora: Tuning, block_size: int = 64) -> Tuning:
+    """Block-sparse training with as many trained parameters as `lora` on the seven decoder
+    linears: blocks per matrix = LoRA's r x (in + out) summed over them / (7 x block_size^2)."""
+    from longft.estimate.arch import _linear_shapes, dims
+
+    shapes = _linear_shapes(dims(arch)).values()
+    per = sum(lora.lora_rank * (i + o) for i, o in shapes) / (len(shapes) * block_size ** 2)
+    return Tuning(0, "none", lora.optimizer, max(1, round(per)), block_size)
+
+
 def longest_contexts(arch: dict, base: Setup, ask: Ask) -> list[tuple[Tuning, int, Candidate | None]]:
     """For full-parameter, LoRA and QLoRA training: the longest context that fits and the plan's
     choice there (None where not even SEQ_STEP tokens fit)."""
@@ -188,6 +198,12 @@ def alternatives(arch: dict, base: Setup, ask: Ask) -> list[Alternative]:
             "space" if c else "")
     if full and lora not in searched:
         add(f"LoRA r={r}", f"--lora {r}", best_at(arch, base, seq, ask, lora))
+    if full and not t.sparse_blocks:
+        sparse = sparse_like(arch, lora)
+        add(sparse.name,
+            f"-S sparse.blocks={sparse.sparse_blocks} -S sparse.block_size="
+            f"{sparse.sparse_block_size}", best_at(arch, base, seq, ask, sparse),
+            note=f"as many trained parameters as LoRA r={r} (sparse.*: docs/models-and-lora.md)")
     if t.quantize == "none" and qlora not in searched:
         add(f"QLoRA nf4 r={r}", f"--lora {r} --quantize nf4",
             best_at(arch, base, seq, ask, qlora),

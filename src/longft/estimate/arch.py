@@ -55,7 +55,12 @@ def param_numels(arch: dict) -> list[tuple[str, int]]:
 
 
 def trainable_numels(arch: dict, s: Setup) -> list[int]:
-    """Numels of the parameters the optimizer owns: all, or LoRA A and B of each target linear."""
+    """Numels of the parameters the optimizer owns: all, LoRA A and B of each target linear, or
+    the blocks of each target linear (block-sparse: sparse_blocks x sparse_block_size^2)."""
+    if s.sparse_blocks > 0:
+        block = s.sparse_blocks * s.sparse_block_size ** 2
+        names = [n for n in _linear_shapes(dims(arch)) if n in s.sparse_targets]
+        return [block] * (len(names) * dims(arch)["L"])
     if s.lora_rank <= 0:
         return [n for _, n in param_numels(arch)]
     a = dims(arch)
@@ -150,7 +155,7 @@ def share(n: int, world: int) -> int:
 def numbers(arch: dict, s: Setup) -> Numbers:
     """The derived sizes of `s` on `arch`."""
     sizes = _sizes(_arch_key(arch), s.world_size, s.lora_rank, s.lora_targets, s.quantize,
-                   s.sub_group_size)
+                   s.sub_group_size, (s.sparse_blocks, s.sparse_block_size, s.sparse_targets))
     on_gpu, on_host = optimizer_split(s, list(sizes["groups"]))
     return Numbers(
         w=4 if s.precision == "fp32" else 2, T=s.local_tokens,
@@ -172,11 +177,12 @@ def _arch_key(arch: dict) -> tuple:
 
 @functools.lru_cache(maxsize=512)
 def _sizes(key: tuple, N: int, lora_rank: int, targets: tuple, quantize: str,
-           sub_group_size: int) -> dict:
+           sub_group_size: int, sparse: tuple = (0, 64, ())) -> dict:
     """numbers()'s parameter counts, which the search asks for many times over (cached)."""
     arch = dict(key)
     s = Setup(1, 1, world_size=N, lora_rank=lora_rank, lora_targets=targets, quantize=quantize,
-              sub_group_size=sub_group_size)
+              sub_group_size=sub_group_size, sparse_blocks=sparse[0], sparse_block_size=sparse[1],
+              sparse_targets=sparse[2])
     params, trainable = param_numels(arch), trainable_numels(arch, s)
     per_layer = layer_params(arch)
     groups = sub_groups([share(n, N) for n in trainable], sub_group_size) if trainable else [0]
@@ -186,7 +192,7 @@ def _sizes(key: tuple, N: int, lora_rank: int, targets: tuple, quantize: str,
         P=sum(n for _, n in params), P_r=sum(share(n, N) for _, n in params),
         Pt_r=sum(share(n, N) for n in trainable), groups=tuple(groups),
         layer=sum(n for _, n in per_layer), biggest=max(n for _, n in per_layer),
-        largest=max(trainable, default=0), adapters=sum(trainable) if lora_rank > 0 else 0,
+        largest=max(trainable, default=0), adapters=sum(trainable) if lora_rank > 0 or sparse[0] > 0 else 0,
         Pq=sum(i * o for i, o in quant),
         quant_bytes=sum(quantized_weight_bytes(quantize, i, o) for i, o in quant),
         biggest_q=max((i * o for i, o in quant), default=0))
@@ -199,3 +205,8 @@ def _zero_knobs(*, stage, overlap, off_opt, off_param, reduce, prefetch, persist
                             offload_param=off_param, reduce_bucket_size=reduce,
                             prefetch_bucket_size=prefetch, param_persistence_threshold=persist,
                             max_live_parameters=live, overlap_step=overlap_step), h)
+
+
+def largest_target(arch: dict, names: tuple[str, ...]) -> int:
+    """Elements of the largest decoder linear among `names` (0 if none)."""
+    return max((i * o for n, (i, o) in _linear_shapes(dims(arch)).items() if n in names), default=0)

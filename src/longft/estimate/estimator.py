@@ -126,6 +126,8 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         flash_attn_4="flash_attn_4" in (r.packed_attention.value, r.attention.value),
         lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.target_modules),
         quantize=cfg.lora.quantize if cfg.lora.rank > 0 else "none", optimizer=cfg.optim.name,
+        sparse_blocks=cfg.sparse.blocks, sparse_block_size=cfg.sparse.block_size,
+        sparse_targets=tuple(cfg.sparse.target_modules) if cfg.sparse.blocks else (),
         sequence_parallel=cfg.hardware.sequence_parallel)
 
 

@@ -128,7 +128,7 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         if not s.offload_param:
             gpu("weights: partitions", w * n.P_r, ALL, f"{w} B x {n.P:,} params / {N} ranks")
             if n.adapters:
-                gpu("weights: LoRA adapters (partitions)", w * n.Pt_r, ALL,
+                gpu(f"weights: {_trained(s)} (partitions)", w * n.Pt_r, ALL,
                     f"{w} B x {n.adapters:,} adapter params / {N} ranks")
         if s.offload_param or N > 1:            # a world of one without offload gathers nothing
             kept = reuse_layers(arch, s, k)
@@ -177,6 +177,8 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
     gpu("gradients: reduce bucket + one in flight",
         w * (bufs * k["reduce_bucket_size"] + n.biggest), ("backward",),
         f"{w} B x ({bufs} x reduce_bucket {k['reduce_bucket_size']:,} + largest layer param {n.biggest:,})")
+    if s.sparse_blocks:
+        out.append(_sparse_warmup(arch, s))
     return out
 
 
@@ -199,9 +201,27 @@ def zero2_weight_items(s: Setup, n: Numbers) -> list[Item]:
         out.append(Item("weights: full copy (ZeRO-2)", "gpu", w * n.P, ALL,
                         f"{w} B x {n.P:,} params on every rank"))
     if n.adapters:
-        out.append(Item("weights: LoRA adapters", "gpu", w * n.adapters, ALL,
+        out.append(Item(f"weights: {_trained(s)}", "gpu", w * n.adapters, ALL,
                         f"{w} B x {n.adapters:,} adapter params on every rank"))
     return out
+
+
+def _trained(s: Setup) -> str:
+    return "trained blocks" if s.sparse_blocks else "LoRA adapters"
+
+
+def _sparse_warmup(arch: dict, s: Setup) -> Item:
+    """Block-sparse's warm-up (engine/block_warmup.py), before the first step: one target's full
+    fp32 gradient dy^T x at a time, and every target's fp32 block-mass buffer."""
+    from longft.estimate.arch import _linear_shapes, dims, largest_target
+
+    a, b = dims(arch), s.sparse_block_size
+    masses = a["L"] * sum(i * o for n, (i, o) in _linear_shapes(a).items()
+                          if n in s.sparse_targets) // (b * b)
+    big = largest_target(arch, s.sparse_targets)
+    return Item("sparse warm-up: fp32 gradient of the largest target + block masses", "gpu",
+                4 * (big + masses), ("backward",),
+                f"4 B x ({big:,} + {masses:,} blocks); before the first step only")
 
 
 def adam8_items(s: Setup, n: Numbers, master: int, kind: str) -> list[Item]:

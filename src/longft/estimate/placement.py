@@ -147,15 +147,20 @@ class Tuning:
     lora_rank: int = 0
     quantize: str = "none"
     optimizer: str = "adamw"
+    sparse_blocks: int = 0           # block-sparse finetuning (sparse.*): blocks per target linear
+    sparse_block_size: int = 64
 
     @classmethod
     def of(cls, s: Setup) -> Tuning:
-        return cls(s.lora_rank, s.quantize if s.lora_rank else "none", s.optimizer)
+        return cls(s.lora_rank, s.quantize if s.lora_rank else "none", s.optimizer,
+                   s.sparse_blocks, s.sparse_block_size)
 
     @property
     def name(self) -> str:
         kind = ("full-parameter" if not self.lora_rank else f"LoRA r={self.lora_rank}"
                 if self.quantize == "none" else f"QLoRA {self.quantize} r={self.lora_rank}")
+        if self.sparse_blocks:
+            kind = f"block-sparse {self.sparse_blocks} x {self.sparse_block_size}^2"
         return kind + ("" if self.optimizer == "adamw" else f", {self.optimizer}")
 
     def apply(self, s: Setup) -> Setup:
@@ -165,9 +170,12 @@ class Tuning:
         from longft.estimate.quantized import QUANTIZED_LINEARS
 
         targets = s.lora_targets or (QUANTIZED_LINEARS if self.lora_rank else ())
+        sparse = s.sparse_targets or (QUANTIZED_LINEARS if self.sparse_blocks else ())
         return dataclasses.replace(
             s, lora_rank=self.lora_rank, quantize=self.quantize, optimizer=self.optimizer,
-            lora_targets=targets, zero_stage=qlora.stage(3, self.lora_rank, self.quantize))
+            lora_targets=targets, zero_stage=qlora.stage(3, self.lora_rank, self.quantize),
+            sparse_blocks=self.sparse_blocks, sparse_block_size=self.sparse_block_size,
+            sparse_targets=sparse if self.sparse_blocks else ())
 
 
 def placements(t: Tuning, disk_gib: float | None) -> list[str]:
@@ -377,6 +385,8 @@ def overlay(c: Candidate, gpus: int, model: dict | None = None,
                  "copy_back": "auto" if s.copy_back == copy_back_for(s) else s.copy_back,
                  **({"nvme_path": nvme_path} if s.nvme else {"nvme_path": None})},
         "lora": {"rank": s.lora_rank, "quantize": s.quantize if s.lora_rank else "none"},
+        **({"sparse": {"blocks": s.sparse_blocks, "block_size": s.sparse_block_size}}
+           if s.sparse_blocks else {}),
         "optim": {"name": s.optimizer},
         "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},
     }

@@ -44,7 +44,8 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     P_r = sum(n for _, n in param_numels(arch)) / s.world_size
     peak = peak_flops(gpu_name, s.precision) or UNKNOWN_PEAK_FLOPS
     recompute = 1.0 if s.checkpointing == "none" else 4 / 3
-    lora = sum(trainable_numels(arch, s)) if s.lora_rank else None  # no frozen weights' gradients
+    lora = (sum(trainable_numels(arch, s)) if s.lora_rank or s.sparse_blocks  # no frozen
+            else None)                                                      # weights' gradients
     micro = T * flops_per_token(arch, s.seq_len, lora_params=lora) * recompute / (ACHIEVED_FRACTION * peak)
     micro *= 1 + MICRO_OVERHEAD_TOKENS / T
     skipped = skips_recompute(s.checkpointing, arch.get("model_type"))

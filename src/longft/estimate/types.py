@@ -114,6 +114,9 @@ class Setup:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     quantize: str = "none"           # LoRA's frozen base linears: none | nf4 | int8 (bitsandbytes)
+    sparse_blocks: int = 0           # block-sparse finetuning: blocks trained per target linear (0 = off)
+    sparse_block_size: int = 64      # rows and columns of a block
+    sparse_targets: tuple[str, ...] = ()  # the linears that train blocks (sparse.target_modules)
     optimizer: str = "adamw"         # adamw | adamw_8bit | paged_adamw_8bit (8-bit m, v on the GPU)
     sequence_parallel: int = 1       # hardware.sequence_parallel: each rank holds seq / N tokens
 
@@ -168,6 +171,8 @@ class Setup:
             p.append(f"quantize {self.quantize!r} is not none, nf4 or int8")
         elif self.quantize != "none" and (self.lora_rank <= 0 or self.zero_stage != qlora.QLORA_STAGE):
             p.append(f"quantize (QLoRA) needs lora_rank > 0 and zero_stage {qlora.QLORA_STAGE}")
+        if self.sparse_blocks and (self.lora_rank or self.sparse_block_size < 1):
+            p.append("sparse_blocks needs lora_rank 0 and sparse_block_size >= 1")
         if self.optimizer not in ("adamw", "adamw_8bit", "paged_adamw_8bit"):
             p.append(f"optimizer {self.optimizer!r} is not adamw, adamw_8bit or paged_adamw_8bit")
         elif self.optimizer != "adamw" and self.offload_optimizer:

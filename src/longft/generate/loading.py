@@ -25,9 +25,13 @@ class Export:
     model: object
     tokenizer: object
     kind: str
-    """full | lora_merged | lora_adapter"""
+    """full | lora_merged | lora_adapter | block_sparse_merged (sparse.*: the blocks in the weights)"""
     info: dict
     """longft_export.json: model, source, steps, lora_rank, kind."""
+
+
+KINDS = ("full", "lora_merged", "lora_adapter", "block_sparse_merged")
+"""What engine/export.py writes as longft_export.json's kind."""
 
 
 def read_info(export_dir: Path) -> dict:
@@ -42,7 +46,7 @@ def read_info(export_dir: Path) -> dict:
     except (OSError, ValueError) as e:
         raise ExportMissingError(f"{export_dir}/ is not a longft export (no readable {MARKER}: "
                                  f"{type(e).__name__}); {fix}") from None
-    if not isinstance(info, dict) or info.get("kind") not in ("full", "lora_merged", "lora_adapter"):
+    if not isinstance(info, dict) or info.get("kind") not in KINDS:
         raise ExportMissingError(f"{export_dir}/{MARKER}: unknown export kind "
                                  f"{info.get('kind') if isinstance(info, dict) else info!r}; {fix}")
     return info

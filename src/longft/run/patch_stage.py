@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from longft import hardware
 from longft.compat import gate as compat
+from longft.config import block_sparse
 from longft.config.params import Config, to_dict
 from longft.config.plan import Resolved
 from longft.engine import ds_config
@@ -26,6 +27,18 @@ def meta_model(model_config, attention: str, trust_remote_code: bool = False):
         return AutoModelForCausalLM.from_config(model_config,
                                                 attn_implementation=transformers_attention(attention),
                                                 trust_remote_code=trust_remote_code)
+
+
+def sparse_trainable(cfg: Config, model) -> int:
+    """Parameters block-sparse finetuning trains on the (meta) model; PlanError when sparse.*
+    does not fit its linear layers."""
+    linears = {n: (m.in_features, m.out_features) for n, m in model.named_modules()
+               if hasattr(m, "in_features") and hasattr(m, "out_features")}
+    found = block_sparse.shape_problems(cfg, linears)
+    if found:
+        raise hardware.PlanError(found)
+    hit = sum(1 for n in linears if n.rsplit(".", 1)[-1] in cfg.sparse.target_modules)
+    return block_sparse.trainable(cfg, hit)
 
 
 def model_state_bytes(n_params: int, n_trainable: int, precision: str, states: str = "fp32") -> dict:
@@ -77,6 +90,8 @@ def make_plan(cfg: Config, hw: hardware.Hardware) -> tuple[dict, dict]:
     if cfg.lora.rank > 0:
         targets = lora_targets(model, cfg.lora.target_modules, mc.model_type)
         n_trainable = sum(cfg.lora.rank * (m.in_features + m.out_features) for m in targets)
+    elif cfg.sparse.blocks > 0:  # the targets' shapes, checked before any weight is read
+        n_trainable = sparse_trainable(cfg, model)
     else:
         n_trainable = n_params
     states = model_state_bytes(n_params, n_trainable, precision, cfg.zero.optimizer_states)
