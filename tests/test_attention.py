@@ -13,11 +13,27 @@ def test_priority_puts_the_choice_first_then_fallbacks():
     assert priority("math") == ["math", "efficient"]
 
 
-def test_default_pins_nothing():
-    with context("default"):
-        q = torch.randn(1, 2, 8, 16)
-        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-    assert out.shape == q.shape
+def _kernels_run(first: str) -> set[str]:
+    """The aten SDPA kernels that ran under context(first), seen by the profiler (public API)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q = torch.randn(1, 2, 8, 16)
+    with context(first), profile(activities=[ProfilerActivity.CPU]) as prof:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    return {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+
+
+FLASH_CPU, MATH = "aten::_scaled_dot_product_flash_attention_for_cpu", \
+    "aten::_scaled_dot_product_attention_math"
+
+
+def test_default_pins_nothing_and_a_pin_changes_the_kernel_that_runs():
+    # On the CPU PyTorch's own choice is its flash kernel; a pin that excludes it must move SDPA
+    # to the math kernel (context() as a no-op would leave the flash kernel running).
+    assert _kernels_run("default") == {FLASH_CPU}
+    assert _kernels_run("flash") == {FLASH_CPU}
+    for first in ("math", "cudnn", "efficient"):  # the last two fall back to math on the CPU
+        assert _kernels_run(first) == {MATH}, first
 
 
 def test_math_pin_is_honoured_and_matches_reference():
