@@ -75,7 +75,15 @@ def test_lora_adapter_is_loaded_on_its_base(tmp_path, byte_tokenizer):
 
     tiny_model(byte_tokenizer, tmp_path / "base")
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")  # a pretrained run's base
-    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(1, 250, (1, 24))
+    with torch.no_grad():
+        plain = base(ids).logits
+    # init_lora_weights=False: B is random, not zero, so the adapter changes what the model computes
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False)).eval()
+    with torch.no_grad():
+        adapted = peft_model(ids).logits
+    assert (adapted - plain).abs().max() > 1e-2  # the adapter is visible in the logits
     peft_model.save_pretrained(tmp_path / "export")  # adapter_config names tmp_path/base
     byte_tokenizer.save_pretrained(tmp_path / "export")
     (tmp_path / "export" / "longft_export.json").write_text(json.dumps(
@@ -83,6 +91,8 @@ def test_lora_adapter_is_loaded_on_its_base(tmp_path, byte_tokenizer):
          "kind": "lora_adapter"}))
     export = load_export(tmp_path / "export")
     assert isinstance(export.model, PeftModel) and export.kind == "lora_adapter"
+    with torch.no_grad():  # the loaded model is the base with this adapter applied
+        torch.testing.assert_close(export.model(ids).logits, adapted)
     assert cli.main(["generate", "--export", str(tmp_path / "export"), "--prompt", "hi",
                      "--max-new-tokens", "2"]) == 0
     # an adapter of a random-init base cannot be loaded: its base weights were never saved
