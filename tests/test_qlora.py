@@ -159,6 +159,76 @@ def test_adapters_get_gradients_and_the_quantized_weights_do_not_change():
             assert torch.equal(p.detach(), frozen[n]), f"{n} changed"
 
 
+def _qlora_with_update(kind="nf4", ratio=2e-3):
+    """A tiny QLoRA model (base quantized to `kind`, adapters in bf16 as build.py makes them) whose
+    adapters change each targeted weight by about `ratio` of its size (rms): what a finetune's
+    update looks like, far below bf16's rounding step of 2^-8 of a weight."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _tiny()
+    quantize_linears(model, TARGETS, kind, torch.bfloat16, "cpu")
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS),
+                                             init_lora_weights=False), autocast_adapter_dtype=False)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
+                a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
+                a.copy_(torch.randn(a.shape, generator=g))
+                b.copy_(torch.randn(b.shape, generator=g))
+                w = dequantize(m.base_layer)
+                delta = m.scaling["default"] * (b.float() @ a.float())
+                b.mul_(ratio * w.norm() / delta.norm())
+                a.data, b.data = a.data.bfloat16(), b.data.bfloat16()
+    return model.eval()
+
+
+def dequantize(layer):
+    from longft.model.quantize import dequantized_weight
+
+    return dequantized_weight(layer, torch.float32)
+
+
+def _plain(sd):
+    """The tiny Llama in fp32 with these weights (strictly: every key, no extra)."""
+    model = _tiny(torch.float32)
+    model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_merged_qlora_export_keeps_the_adapters_effect_on_the_logits(kind):
+    """The merged export (engine/export.py merged_state_dict) against the adapter on the base it
+    was trained on, both in fp32: the logits agree to float noise, where the old bf16 merge lost
+    about half of the adapter's effect (an update of 0.2 % of |W| is below bf16's rounding)."""
+    from peft import PeftModel
+
+    from longft.engine.export import lora_layers, merge_lora, merged_state_dict
+
+    model = _qlora_with_update(kind)
+    sd = model.state_dict()
+    base_sd = dequantized_state_dict(model.get_base_model(), model.get_base_model().state_dict(),
+                                     torch.float32)          # W_dq: the base training saw
+    base_sd = {k.replace(".base_layer.", "."): v for k, v in base_sd.items() if "lora_" not in k}
+    base = _plain(base_sd)
+    adapted = PeftModel(_plain(base_sd), model.peft_config["default"]).eval()
+    adapted.load_state_dict({k: v.float() for k, v in sd.items() if "lora_" in k}, strict=False)
+    ids = torch.randint(1, 250, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, plain = adapted(ids).logits, base(ids).logits
+        merged = _plain(merged_state_dict(model, sd, kind))(ids).logits
+        bf16 = merge_lora(dequantized_state_dict(model, sd, torch.bfloat16), lora_layers(model))
+        old = _plain(bf16)(ids).logits                        # the earlier export: bf16 throughout
+    effect = (want - plain).norm()
+    lost, lost_bf16 = (merged - want).norm() / effect, (old - want).norm() / effect
+    print(f"{kind}: adapter effect {effect:.4f}; lost by the fp32 merge {lost:.2e}, "
+          f"by the bf16 merge {lost_bf16:.3f}")
+    assert lost < 1e-3, lost                  # fp32 merge: the adapter's effect, to float noise
+    assert lost_bf16 > 0.2, lost_bf16         # what the bf16 merge lost (measured ~0.5)
+    assert all(v.dtype == torch.float32 for v in merged_state_dict(model, sd, kind).values()
+               if v.is_floating_point())
+
+
 # ------------------------------------------------------------------ whole runs (slow tier)
 
 
