@@ -229,6 +229,34 @@ def test_merged_qlora_export_keeps_the_adapters_effect_on_the_logits(kind):
                if v.is_floating_point())
 
 
+def test_qlora_resume_loads_the_saved_adapters_strictly():
+    """engine/checkpoint.py load_saved_keys, DeepSpeed's module load on QLoRA resume: a checkpoint
+    written with exclude_frozen_parameters loads into a fresh model; one whose adapter keys are not
+    the model's (missing, renamed, extra) is refused with the keys named, not half-loaded."""
+    from longft.engine.checkpoint import CheckpointError, load_saved_keys
+
+    saved_model = _qlora_with_update("nf4")
+    frozen = {n for n, p in saved_model.named_parameters() if not p.requires_grad}
+    saved = {k: v for k, v in saved_model.state_dict().items() if k not in frozen}  # as DeepSpeed
+    assert any(".lora_A." in k for k in saved) and not any(k.endswith("base_layer.weight")
+                                                           for k in saved)
+    fresh = _qlora_with_update("nf4", ratio=1e-1)
+    load_saved_keys(saved, fresh)
+    got = fresh.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in saved.items() if ".lora_" in k)
+    lora_key = next(k for k in saved if ".lora_B." in k)
+    for broken, named in (({k: v for k, v in saved.items() if k != lora_key}, lora_key),
+                          ({**saved, lora_key.replace("q_proj", "qkv_proj"): saved[lora_key]},
+                           "qkv_proj"),
+                          ({k.replace(".default.", ".other."): v for k, v in saved.items()},
+                           ".other.")):
+        before = {k: v.clone() for k, v in fresh.state_dict().items() if ".lora_" in k}
+        with pytest.raises(CheckpointError, match="do not match the model") as e:
+            load_saved_keys(broken, fresh)
+        assert named in str(e.value)
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())  # untouched
+
+
 # ------------------------------------------------------------------ whole runs (slow tier)
 
 
