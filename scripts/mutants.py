@@ -7,9 +7,10 @@
 Each mutant changes one line of MODULE: a comparison flipped (== and !=, < and >=, ...), a
 boolean constant negated, a number changed (n -> n + 1, x -> x * 2), `and`/`or` swapped, or a
 one-line statement dropped (replaced by `pass`). The mutants are written into a copy of src/ in a
-temporary folder, first on PYTHONPATH, so the working tree is never changed (other runs may read
-it meanwhile); the tests run in a fresh `python -m pytest -x -q` (the fast tier unless pytest args
-after `--` say otherwise). Tests that start subprocesses with the tree's own src/ on their path do
+temporary folder beside links to the rest of the repository (configs/, tests/, ...), first on
+PYTHONPATH, so the working tree is never changed (other runs may read it meanwhile); the tests run
+there in a fresh `python -m pytest -x -q` (the fast tier unless pytest args after `--` say
+otherwise). Tests that start subprocesses with the tree's own src/ on their path do
 not see the mutant: choose tests that run the module in-process. A mutant is killed when the tests
 fail or time out, and survives when they pass. Survivors are printed with their line: each is
 either a test to write or a change that does not matter (an equivalent mutant, a log message).
@@ -108,7 +109,8 @@ def run_tests(tests: list[str], pytest_args: list[str], timeout: float, src: Pat
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(src), *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                           cwd=src.parent)
     except subprocess.TimeoutExpired:
         return "timeout"
     if p.returncode == 5:
@@ -138,6 +140,9 @@ def main(argv=None) -> int:
     rel = args.module.resolve().relative_to(Path("src").resolve())  # run from the repository root
     work = Path(tempfile.mkdtemp(prefix="mutants-"))
     shutil.copytree("src", work / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    for entry in Path(".").iterdir():  # the package finds configs/ etc. beside its src/
+        if entry.name not in ("src", ".git"):
+            (work / entry.name).symlink_to(entry.resolve())
     target = work / "src" / rel
     todo = mutants(original)
     if args.lines:
