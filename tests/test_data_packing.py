@@ -71,6 +71,10 @@ def test_first_fit_decreasing_packs_every_sample_once():
     assert all(sum(lengths[i] for i in row) <= 10 for row in plan)
     assert len(plan) == 2  # 6+4 and 5+3+2
     assert plan_rows(lengths, 10, pack=False) == [[0], [1], [2], [3], [4]]
+    assert plan_rows([1, 10], 10, pack=True) == [[1], [0]]  # both ends of [1, max_len] fit
+    for bad in ([11], [0], [3, 0]):  # longer than a row, or empty: cut earlier (fit_length)
+        with pytest.raises(ValueError, match="every length must be in"):
+            plan_rows(bad, 10, pack=True)
 
 
 def test_pack_false_one_sample_per_row_with_padding():

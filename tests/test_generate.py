@@ -75,7 +75,15 @@ def test_lora_adapter_is_loaded_on_its_base(tmp_path, byte_tokenizer):
 
     tiny_model(byte_tokenizer, tmp_path / "base")
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")  # a pretrained run's base
-    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(1, 250, (1, 24))
+    with torch.no_grad():
+        plain = base(ids).logits
+    # init_lora_weights=False: B is random, not zero, so the adapter changes what the model computes
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False)).eval()
+    with torch.no_grad():
+        adapted = peft_model(ids).logits
+    assert (adapted - plain).abs().max() > 1e-2  # the adapter is visible in the logits
     peft_model.save_pretrained(tmp_path / "export")  # adapter_config names tmp_path/base
     byte_tokenizer.save_pretrained(tmp_path / "export")
     (tmp_path / "export" / "longft_export.json").write_text(json.dumps(
@@ -83,6 +91,8 @@ def test_lora_adapter_is_loaded_on_its_base(tmp_path, byte_tokenizer):
          "kind": "lora_adapter"}))
     export = load_export(tmp_path / "export")
     assert isinstance(export.model, PeftModel) and export.kind == "lora_adapter"
+    with torch.no_grad():  # the loaded model is the base with this adapter applied
+        torch.testing.assert_close(export.model(ids).logits, adapted)
     assert cli.main(["generate", "--export", str(tmp_path / "export"), "--prompt", "hi",
                      "--max-new-tokens", "2"]) == 0
     # an adapter of a random-init base cannot be loaded: its base weights were never saved
@@ -90,6 +100,52 @@ def test_lora_adapter_is_loaded_on_its_base(tmp_path, byte_tokenizer):
     (tmp_path / "export" / "longft_export.json").write_text(json.dumps({**info, "source": "random"}))
     with pytest.raises(ExportMissingError, match="output.export_lora: merged"):
         load_export(tmp_path / "export")
+
+
+def test_a_qlora_adapter_is_applied_to_the_quantized_base_it_was_trained_on(tmp_path, byte_tokenizer,
+                                                                          capsys):
+    """A QLoRA run's adapter export records its base (engine/export.py base_record): generate
+    quantizes the base as training did before applying the adapter, and says so. The same adapter
+    on the unquantized base computes something else."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from longft.engine.export import base_record
+    from longft.model.quantize import quantize_linears
+
+    tiny_model(byte_tokenizer, tmp_path / "base")
+    cfg = from_dict({"model": {"source": "pretrained", "name": str(tmp_path / "base")},
+                     "lora": {"rank": 4, "quantize": "nf4", "target_modules": ["q_proj", "v_proj"]}})
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
+    quantize_linears(base, cfg.lora.target_modules, "nf4", torch.bfloat16, "cpu")
+    trained = get_peft_model(base, LoraConfig(r=4, target_modules=list(cfg.lora.target_modules),
+                                              init_lora_weights=False),
+                             autocast_adapter_dtype=False).eval()
+    ids = torch.randint(1, 250, (1, 24))
+    with torch.no_grad():
+        want = trained(ids).logits
+    trained.save_pretrained(tmp_path / "export")
+    byte_tokenizer.save_pretrained(tmp_path / "export")
+    info = {"model": cfg.model.name, "source": "pretrained", "steps": 1, "lora_rank": 4,
+            "quantize": "nf4", "kind": "lora_adapter", "base": base_record(cfg, torch.bfloat16)}
+    assert info["base"]["quantize"] == "nf4" and info["base"]["dtype"] == "bfloat16"
+    (tmp_path / "export" / "longft_export.json").write_text(json.dumps(info))
+
+    export = load_export(tmp_path / "export")
+    assert "quantized to nf4 (the base it was trained on)" in export.base
+    assert any(type(m).__name__ == "Linear4bit" for m in export.model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(export.model(ids).logits, want)  # what the run trained
+    plain = {**info, "base": {**info["base"], "quantize": "none"}}
+    (tmp_path / "export" / "longft_export.json").write_text(json.dumps(plain))
+    with torch.no_grad():  # the unquantized base: another model
+        other = load_export(tmp_path / "export").model.to(torch.bfloat16)(ids).logits
+    assert (other.float() - want.float()).abs().max() > 1e-2
+    (tmp_path / "export" / "longft_export.json").write_text(json.dumps(info))
+    assert cli.main(["generate", "--export", str(tmp_path / "export"), "--prompt", "hi",
+                     "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert "quantized to nf4 (the base it was trained on)" in capsys.readouterr().out
 
 
 def test_missing_export_and_bad_options_are_clear_errors(tmp_path, capsys):

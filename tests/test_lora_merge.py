@@ -134,3 +134,15 @@ def test_lora_trained_under_zero3_exports_a_merged_model(tmp_path, byte_tokenize
         torch.testing.assert_close(merged.eval()(ids).logits, want, rtol=0, atol=1e-4)
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
         assert not torch.allclose(base(ids).logits, want, atol=1e-3)  # training moved it
+
+
+def test_a_lora_bias_on_a_layer_without_bias_is_refused():
+    from longft.engine.export import ExportError
+
+    sd = {"m.lora_A.default.weight": torch.ones(2, 4), "m.lora_B.default.weight": torch.ones(4, 2),
+          "m.lora_B.default.bias": torch.ones(4), "m.base_layer.weight": torch.zeros(4, 4)}
+    with pytest.raises(ExportError, match="m: a LoRA bias on a layer without bias"):
+        merge_lora(sd, {"m": ("default", 0.5, False)})
+    merged = merge_lora({**sd, "m.base_layer.bias": torch.zeros(4)}, {"m": ("default", 0.5, False)})
+    assert torch.equal(merged["m.bias"], torch.full((4,), 0.5))
+    assert torch.equal(merged["m.weight"], torch.full((4, 4), 1.0))  # 0.5 x (B @ A = 2)

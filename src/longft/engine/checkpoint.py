@@ -320,11 +320,12 @@ def resume(engine, ckpt_dir: Path, fp: str, log) -> tuple[int, dict]:
         verify(ckpt_dir / tag)
         try:
             with weights_only(engine):
-                # QLoRA: the frozen base is not in the checkpoint, and bitsandbytes' quantization
-                # state beside it is not a parameter torch's strict load can take
+                # QLoRA: the frozen base is not in the checkpoint (exclude_frozen_parameters), so
+                # torch's strict load cannot take it; load_saved_keys is as strict on what was saved
+                quantized = has_quantized_layers(engine.module)
                 path, client = engine.load_checkpoint(
                     str(ckpt_dir), tag=tag,
-                    load_module_strict=not has_quantized_layers(engine.module))
+                    custom_load_fn=load_saved_keys if quantized else None)
         except CheckpointError:
             raise
         except Exception as e:  # a corrupted checkpoint: say so and fall back to the one before
@@ -334,6 +335,23 @@ def resume(engine, ckpt_dir: Path, fp: str, log) -> tuple[int, dict]:
         if path is not None:
             return step, client or {}
     return 0, {}
+
+
+def load_saved_keys(src: dict, dst) -> None:
+    """Load a checkpoint saved with exclude_frozen_parameters (QLoRA) into the model `dst`,
+    strictly: its keys must be exactly the model's state-dict keys but the frozen parameters, so
+    an adapter renamed, missing or extra (another lora.target_modules, another peft) is refused
+    with the keys named instead of being skipped."""
+    frozen = {n for n, p in dst.named_parameters() if not p.requires_grad}
+    want = set(dst.state_dict()) - frozen
+    missing, extra = sorted(want - set(src)), sorted(set(src) - want)
+    if missing or extra:
+        raise CheckpointError(
+            f"the checkpoint's weights do not match the model: {len(missing)} missing "
+            f"{missing[:3]}, {len(extra)} unexpected {extra[:3]}; it was written by another "
+            "configuration (lora.*, the model or peft's version). Move checkpoints/ aside to "
+            "train from the start")
+    dst.load_state_dict(src, strict=False)  # (the frozen base stays as loaded)
 
 
 def rng_state() -> dict:

@@ -9,7 +9,9 @@ state dict), so no GPU ever holds the whole model. With LoRA, `output.export_lor
   (peft's merge_and_unload, done on the consolidated state dict on rank 0, in fp32, then cast back
   to the weights' dtype), which `AutoModelForCausalLM.from_pretrained` loads without peft; the
   adapter it was merged from goes to export/adapter/. With QLoRA (lora.quantize) the adapter is
-  merged into the de-quantized base weights, in the training dtype.
+  merged into the de-quantized base weights and the model is stored in fp32 (`merged_state_dict`).
+longft_export.json records, for a LoRA export, the base the adapter was trained on (`base_record`):
+with QLoRA that is the quantized base, which `longft generate` rebuilds before applying the adapter.
 With block-sparse finetuning (sparse.blocks) the trained blocks are added into their weights
 (model/block_sparse.merged_state_dict): a plain model, loaded like a full finetune's.
 export/ is written into a temporary folder beside it and swapped in only when whole (atomic.directory);
@@ -19,6 +21,7 @@ disk: WriteError, naming the folder) keeps the previous model and leaves no part
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -49,17 +52,18 @@ def lora_layers(model) -> dict[str, tuple[str, float, bool]]:
     return out
 
 
-def merge_lora(sd: dict, layers: dict[str, tuple[str, float, bool]]) -> dict:
+def merge_lora(sd: dict, layers: dict[str, tuple[str, float, bool]], dtype=None) -> dict:
     """A peft model's full state dict -> the base model's, LoRA merged: W' = W + scaling * B @ A
     (transposed for fan_in_fan_out layers), bias' = bias + scaling * lora_B.bias. The sum is done in
-    fp32 and cast back to W's dtype. Keys lose peft's `base_model.model.` and `.base_layer`."""
+    fp32 and rounded once, to `dtype` (default: W's dtype). Keys lose peft's `base_model.model.`
+    and `.base_layer`."""
     merged = {}
     for mod, (adapter, scale, fan_in_fan_out) in layers.items():
         a, b = sd[f"{mod}.lora_A.{adapter}.weight"], sd[f"{mod}.lora_B.{adapter}.weight"]
         w = sd[f"{mod}.base_layer.weight"]
         delta = (b.float() @ a.float()) * scale
         merged[f"{mod}.base_layer.weight"] = (w.float() + (delta.T if fan_in_fan_out else delta)
-                                              ).to(w.dtype)
+                                              ).to(dtype or w.dtype)
         lora_bias = sd.get(f"{mod}.lora_B.{adapter}.bias")
         if lora_bias is not None:
             bias = sd.get(f"{mod}.base_layer.bias")
@@ -74,6 +78,34 @@ def merge_lora(sd: dict, layers: dict[str, tuple[str, float, bool]]) -> dict:
         name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name.replace(".base_layer.", "."))
         out[name] = merged.get(k, v)
     return out
+
+
+def merged_state_dict(model, sd: dict, quantize: str) -> dict:
+    """The merged model's weights (`merge_lora`) from the peft model's state dict `sd`.
+
+    QLoRA: the base is de-quantized exactly as training's forward saw it and the sum is stored in
+    fp32, every tensor. In the training dtype (bf16: 8 significant bits) an update of ~0.2 % of a
+    weight is below half its rounding step, so most of what the adapter learnt would round away;
+    an int8 base would also be rounded once more on its way to bf16."""
+    if quantize == "none":
+        return merge_lora(sd, lora_layers(model))
+    import torch
+
+    from longft.model.quantize import dequantized_state_dict
+
+    full = dequantized_state_dict(model, sd, torch.float32)
+    merged = merge_lora(full, lora_layers(model), dtype=torch.float32)
+    return {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
+
+
+def base_record(cfg: Config, dtype) -> dict:
+    """Which base a LoRA adapter was trained on, for longft_export.json: the model, and with QLoRA
+    the quantization (lora.quantize) of its target modules in the training dtype, which `longft
+    generate` applies before the adapter. An adapter of a QLoRA run applied to the unquantized
+    base computes something else than the run trained."""
+    return {"model": cfg.model.name, "source": cfg.model.source, "quantize": cfg.lora.quantize,
+            "target_modules": list(cfg.lora.target_modules),
+            "dtype": str(dtype).removeprefix("torch.")}
 
 
 def state_dict(engine, zero_stage: int) -> dict | None:
@@ -103,19 +135,19 @@ def export(engine, cfg: Config, out_dir: Path, step: int) -> None:
 def _write(engine, cfg: Config, sd: dict, tmp: Path, step: int) -> None:
     from longft.model.loading import load_tokenizer
 
+    dtype = engine.module.get_input_embeddings().weight.dtype
     if cfg.lora.rank and cfg.output.export_lora == "merged":
         engine.module.save_pretrained(tmp / "adapter", state_dict=sd, safe_serialization=True)
-        if cfg.lora.quantize != "none":  # QLoRA: merged into the de-quantized base weights
-            from longft.model.quantize import dequantized_state_dict
-            dtype = engine.module.get_input_embeddings().weight.dtype
-            sd = dequantized_state_dict(engine.module, sd, dtype)
-        merged = merge_lora(sd, lora_layers(engine.module))
+        merged = merged_state_dict(engine.module, sd, cfg.lora.quantize)
         engine.module.get_base_model().save_pretrained(tmp, state_dict=merged,
                                                        safe_serialization=True)
+        if cfg.lora.quantize != "none":  # from_pretrained must not round the fp32 weights to bf16
+            _set_config_dtype(tmp / "config.json", "float32")
         kind = "lora_merged"
     elif cfg.sparse.blocks:  # block-sparse: the blocks merged into the weights, a plain model
-        from longft.model.block_sparse import merged_state_dict
-        engine.module.save_pretrained(tmp, state_dict=merged_state_dict(sd), safe_serialization=True)
+        from longft.model import block_sparse
+        engine.module.save_pretrained(tmp, state_dict=block_sparse.merged_state_dict(sd),
+                                      safe_serialization=True)
         kind = "block_sparse_merged"
     else:
         engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
@@ -123,4 +155,14 @@ def _write(engine, cfg: Config, sd: dict, tmp: Path, step: int) -> None:
     load_tokenizer(cfg.model).save_pretrained(tmp)
     atomic.write_json(tmp / "longft_export.json",
                       {"model": cfg.model.name, "source": cfg.model.source, "steps": step,
-                       "lora_rank": cfg.lora.rank, "quantize": cfg.lora.quantize, "kind": kind})
+                       "lora_rank": cfg.lora.rank, "quantize": cfg.lora.quantize, "kind": kind,
+                       **({"base": base_record(cfg, dtype)} if cfg.lora.rank else {})})
+
+
+def _set_config_dtype(path: Path, dtype: str) -> None:
+    """The dtype config.json declares (transformers' `dtype`, `torch_dtype` before 5)."""
+    config = json.loads(path.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = dtype
+    path.write_text(json.dumps(config, indent=2) + "\n")

@@ -112,6 +112,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"longft generate: {args.export}/ ({export.kind}, {info.get('model')}, step "
           f"{info.get('steps')}) on {export.model.device}, "
           + ("greedy" if args.temperature == 0 else f"temperature {args.temperature}"), flush=True)
+    if export.base:
+        print(f"longft generate: {export.base}", flush=True)
     results = []
     for p in prompts:
         new = generate(export, p.ids, args.max_new_tokens, args.temperature, args.top_p)

@@ -2,7 +2,9 @@
 
 export/longft_export.json says what export/ holds: "full" or "lora_merged" (a Hugging Face model
 that `from_pretrained` loads) or "lora_adapter" (a peft adapter, loaded onto the base model its
-adapter_config.json names: the model.name of the run).
+adapter_config.json names: the model.name of the run). A QLoRA run's adapter was trained on the
+quantized base (longft_export.json `base`, or `quantize` in exports written before it): that base
+is quantized the same way (model/quantize.py) before the adapter is applied, as training saw it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ class Export:
     kind: str
     """full | lora_merged | lora_adapter | block_sparse_merged (sparse.*: the blocks in the weights)"""
     info: dict
-    """longft_export.json: model, source, steps, lora_rank, kind."""
+    """longft_export.json: model, source, steps, lora_rank, kind (and base, for an adapter)."""
+    base: str | None = None
+    """For an adapter: the base it was applied to, in words (printed by `longft generate`)."""
 
 
 KINDS = ("full", "lora_merged", "lora_adapter", "block_sparse_merged")
@@ -52,18 +56,17 @@ def read_info(export_dir: Path) -> dict:
     return info
 
 
-def _weights(export_dir: Path, kind: str):
-    """The exported model; a weights file that cannot be read (cut short, damaged) is refused
-    with its name (ExportMissingError), not a traceback."""
+def _weights(export_dir: Path, info: dict, device: str):
+    """(the exported model, the base an adapter was applied to or None); a weights file that
+    cannot be read (cut short, damaged) is refused with its name (ExportMissingError), not a
+    traceback."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
-        if kind == "lora_adapter":
-            from peft import AutoPeftModelForCausalLM
-
-            return AutoPeftModelForCausalLM.from_pretrained(str(export_dir))
-        return AutoModelForCausalLM.from_pretrained(str(export_dir))
+        if info["kind"] == "lora_adapter":
+            return _adapter_on_its_base(export_dir, info, device)
+        return AutoModelForCausalLM.from_pretrained(str(export_dir)), None
     except (SafetensorError, OSError, EOFError) as e:
         files = ", ".join(sorted(p.name for p in export_dir.glob("*.safetensors"))) or "none"
         raise ExportMissingError(
@@ -83,8 +86,44 @@ def load_export(export_dir: Path, device: str = "cpu") -> Export:
         raise ExportMissingError(
             f"{export_dir}/ holds a LoRA adapter of a random-init model, whose base weights "
             "were never saved; export the merged model instead (output.export_lora: merged)")
-    model = _weights(export_dir, info["kind"])
+    model, base = _weights(export_dir, info, device)
     tokenizer = AutoTokenizer.from_pretrained(str(export_dir))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return Export(model.to(device).eval(), tokenizer, info["kind"], info)
+    return Export(model.to(device).eval(), tokenizer, info["kind"], info, base)
+
+
+def expected_base(info: dict) -> dict:
+    """The base an adapter export expects: longft_export.json's `base` record (engine/export.py
+    base_record), or, for an export written before it, the run's model and lora.quantize."""
+    base = info.get("base")
+    if isinstance(base, dict):
+        return base
+    return {"model": info.get("model"), "quantize": info.get("quantize", "none"),
+            "target_modules": None, "dtype": "bfloat16"}
+
+
+def _adapter_on_its_base(export_dir: Path, info: dict, device: str):
+    """(peft model, description): the adapter applied to the base it was trained on."""
+    from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
+
+    base = expected_base(info)
+    kind = base.get("quantize") or "none"
+    if kind == "none":
+        return AutoPeftModelForCausalLM.from_pretrained(str(export_dir)), \
+            f"adapter on {base.get('model')}"
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longft.model.quantize import quantize_linears
+
+    peft_config = PeftConfig.from_pretrained(str(export_dir))
+    dtype = getattr(torch, base.get("dtype") or "bfloat16")
+    targets = tuple(base.get("target_modules") or peft_config.target_modules)
+    model = AutoModelForCausalLM.from_pretrained(peft_config.base_model_name_or_path, dtype=dtype)
+    quantize_linears(model, targets, kind, dtype, torch.device(device))
+    model = PeftModel.from_pretrained(model, str(export_dir))
+    for name, p in model.named_parameters():  # the adapters in the training dtype, as trained
+        if "lora_" in name:
+            p.data = p.data.to(dtype)
+    return model, f"adapter on {base.get('model')} quantized to {kind} (the base it was trained on)"
