@@ -116,7 +116,8 @@ def test_a_qlora_adapter_is_applied_to_the_quantized_base_it_was_trained_on(tmp_
 
     tiny_model(byte_tokenizer, tmp_path / "base")
     cfg = from_dict({"model": {"source": "pretrained", "name": str(tmp_path / "base")},
-                     "lora": {"rank": 4, "quantize": "nf4", "target_modules": ["q_proj", "v_proj"]}})
+                     "lora": {"rank": 4, "quantize": "nf4", "target_modules": ["q_proj", "v_proj"]},
+                     "zero": {"stage": 2}})
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
     quantize_linears(base, cfg.lora.target_modules, "nf4", torch.bfloat16, "cpu")
     trained = get_peft_model(base, LoraConfig(r=4, target_modules=list(cfg.lora.target_modules),

@@ -232,7 +232,7 @@ def weights_only(engine):
             del ce.load
 
 
-def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_state: dict,
+def save(engine, ckpt_dir: Path, step: int, fp: str, keep_last: int, client_state: dict, *,
          name: str | None = None) -> None:
     """Write step-<step> (or `name`: final) atomically on all ranks; prune old steps (rank 0)."""
     import torch.distributed as dist

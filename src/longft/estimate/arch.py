@@ -155,7 +155,7 @@ def share(n: int, world: int) -> int:
 def numbers(arch: dict, s: Setup) -> Numbers:
     """The derived sizes of `s` on `arch`."""
     sizes = _sizes(_arch_key(arch), s.world_size, s.lora_rank, s.lora_targets, s.quantize,
-                   s.sub_group_size, (s.sparse_blocks, s.sparse_block_size, s.sparse_targets))
+                   s.sub_group_size, sparse=(s.sparse_blocks, s.sparse_block_size, s.sparse_targets))
     on_gpu, on_host = optimizer_split(s, list(sizes["groups"]))
     return Numbers(
         w=4 if s.precision == "fp32" else 2, T=s.local_tokens,
@@ -177,7 +177,7 @@ def _arch_key(arch: dict) -> tuple:
 
 @functools.lru_cache(maxsize=512)
 def _sizes(key: tuple, N: int, lora_rank: int, targets: tuple, quantize: str,
-           sub_group_size: int, sparse: tuple = (0, 64, ())) -> dict:
+           sub_group_size: int, *, sparse: tuple = (0, 64, ())) -> dict:
     """numbers()'s parameter counts, which the search asks for many times over (cached)."""
     arch = dict(key)
     s = Setup(1, 1, world_size=N, lora_rank=lora_rank, lora_targets=targets, quantize=quantize,
