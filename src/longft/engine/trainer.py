@@ -323,7 +323,11 @@ def loop(s: Session, cfg: Config, plan: Plan, *, log: RunLog, ckpt_dir: Path | N
                             {"rng": checkpoint.rng_state(), "step": step}, name=checkpoint.FINAL)
         if export_dir is not None:
             export(s.engine, cfg, export_dir, step)
-        if ckpt_dir is not None and cfg.output.save_checkpoint and s.rank == 0:
+        # a signal during the final checkpoint or the export: the stage exits 130/143, so the
+        # run is not complete to the train stage (run/earlier.py) and DVC runs it again; final/
+        # stays unfinished so that re-run resumes it and trains no step again
+        late = asked()
+        if ckpt_dir is not None and cfg.output.save_checkpoint and s.rank == 0 and not late:
             checkpoint.mark_finished(ckpt_dir)  # a re-run retrains; it resumes only an unfinished run
     except stop.Stopped:
         raise
@@ -338,7 +342,7 @@ def loop(s: Session, cfg: Config, plan: Plan, *, log: RunLog, ckpt_dir: Path | N
         log.write("end", status="failed", steps=step - 1, error=f"{type(e).__name__}: {e}")
         raise
     log.write("end", status="complete", steps=step)
-    if sig := asked():  # during the final checkpoint or the export, both of which were finished
+    if sig := late:  # during the final checkpoint or the export, both of which were finished
         log.close()
         if s.rank == 0:
             print(f"longft: {stop.name(sig)} came during the final checkpoint and export; both "
