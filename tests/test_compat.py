@@ -42,6 +42,8 @@ def fake_source(monkeypatch, tmp_path, name: str, source: str) -> types.ModuleTy
 @pytest.fixture
 def deepspeed_without_pre_step(monkeypatch, tmp_path):
     """A DeepSpeed whose ZeRO-3 optimizer lost `_pre_step` (everything else overlap_step uses is there)."""
+    import deepspeed  # noqa: F401  (the real package first: the fakes replace only its ZeRO-3 modules)
+
     from longft.compat import deepspeed as ds
 
     state = "".join(f"        self.{n} = None\n" for n in ds.STEP_STATE + ("persistent_parameters",))
@@ -120,3 +122,22 @@ def test_a_hub_kernel_function_is_named_by_its_forward():
     assert tf_compat.function_name(Func()).endswith("apply_rotary_pos_emb")
     assert tf_compat.function_name(apply_rotary_pos_emb).endswith(
         "test_a_hub_kernel_function_is_named_by_its_forward.<locals>.apply_rotary_pos_emb")
+
+
+def test_a_zero3_export_needs_deepspeeds_gather_and_clip_scale_is_recorded(monkeypatch):
+    """The export's gather of ZeRO-3's partitions is checked when the plan is made (a moved method
+    refuses before training, not a traceback after it); clip_scale, which falls back to DeepSpeed's
+    own clipping, is recorded and never refused."""
+    from longft.compat import deepspeed as ds
+
+    record, problems = compat.gate(from_dict({}), {})
+    assert record[f"{ds.ENGINE_MODULE}.{ds.ENGINE}.{ds.CONSOLIDATED}"] == "ok" and not problems
+    assert record[f"{STAGE3}.DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads"] == "ok"
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, ds.ENGINE, type("DeepSpeedEngine", (), {}))
+    _, problems = compat.gate(from_dict({}), {})
+    assert len(problems) == 1 and problems[0].startswith("output.export (under zero.stage 3) needs")
+    assert f"{ds.CONSOLIDATED} is gone" in problems[0]
+    _, problems = compat.gate(from_dict({"output": {"export": False}}), {})
+    assert not problems   # no export, nothing gathered

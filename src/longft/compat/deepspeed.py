@@ -41,7 +41,19 @@ def _optimizer(feature: str, name: str) -> Access:
     return Access(feature, STAGE3, name, owner=OPTIMIZER, kind="attr" if name in _METHODS else "instance")
 
 
+ENGINE_MODULE = "deepspeed"  # its runtime.engine imports only after deepspeed itself (a cycle)
+ENGINE = "DeepSpeedEngine"
+CONSOLIDATED = "_zero3_consolidated_16bit_state_dict"
+"""The engine's gather of ZeRO-3's partitions into one 16-bit state dict on rank 0 (the export)."""
+
+
+def consolidated_state_dict(engine) -> dict:
+    """The whole 16-bit state dict under ZeRO-3, gathered layer by layer on rank 0 (collective)."""
+    return getattr(engine, CONSOLIDATED)()
+
+
 ACCESSES = (
+    Access("export_zero3", ENGINE_MODULE, CONSOLIDATED, owner=ENGINE),
     *(_optimizer("overlap_step", n) for n in STEP_PARTS),
     _optimizer("overlap_step", "persistent_parameters"),
     Access("overlap_step", COORDINATOR_MODULE, "fetch_sub_module", owner=COORDINATOR),

@@ -59,7 +59,14 @@ def settings_needing(cfg: Config) -> dict[str, str]:
         out["sequence_parallel"] = "hardware.sequence_parallel"
     if cfg.zero.offload_ratio < 1:
         out["partial_offload"] = "zero.offload_ratio"
+    if cfg.output.export and cfg.zero.stage == 3:
+        out["export_zero3"] = "output.export (under zero.stage 3)"
     return out
+
+
+RECORDED = frozenset({"clip_scale"})
+"""Features with a fallback of their own (clip_scale falls back to DeepSpeed's clipping pass, the
+same result): checked and recorded in plan.json, never refused."""
 
 
 def accesses() -> tuple[tuple[str, Access], ...]:
@@ -89,7 +96,7 @@ def gate(cfg: Config, choices: dict[str, Choice]) -> tuple[dict[str, str], list[
     `choices` in place. Returns (plan.json's compat record, problems for one PlanError)."""
     asked = {k: kn for k, kn in KNOBS.items() if k in choices and kn.needs(choices[k])}
     direct = settings_needing(cfg)
-    found = check({kn.feature for kn in asked.values()} | set(direct))
+    found = check({kn.feature for kn in asked.values()} | set(direct) | RECORDED)
     problems: list[str] = []
     for k, kn in asked.items():
         why = _why(kn.feature, found)

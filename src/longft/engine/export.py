@@ -26,6 +26,7 @@ import re
 from pathlib import Path
 
 from longft import atomic
+from longft.compat import deepspeed as compat_deepspeed
 from longft.config.params import Config
 from longft.errors import UserError
 
@@ -113,7 +114,7 @@ def state_dict(engine, zero_stage: int) -> dict | None:
     import torch.distributed as dist
 
     if zero_stage == 3:
-        sd = engine._zero3_consolidated_16bit_state_dict()
+        sd = compat_deepspeed.consolidated_state_dict(engine)
     else:
         sd = engine.module.state_dict()
     return sd if dist.get_rank() == 0 else None

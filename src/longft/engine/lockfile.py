@@ -25,6 +25,8 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from longft.atomic import write_text
+
 LOCK = Path(__file__).resolve().parents[3] / "requirements" / "lock-cpu.txt"
 """The lock in this checkout (src/longft/engine/ -> the repository root)."""
 
@@ -73,7 +75,7 @@ def seal(path: Path) -> str:
     if body and not body.endswith("\n"):
         body += "\n"
     line = f"{SEAL} {hashlib.sha256(body.encode()).hexdigest()} pins={len(pins(body))}"
-    path.write_text(body + line + "\n")
+    write_text(path, body + line + "\n")  # whole or not at all (atomic)
     return line
 
 
