@@ -8,6 +8,7 @@ import json
 import pytest
 import yaml
 
+from interrupted_run import as_killed_after_last_checkpoint
 from longft.config.params import Config, merge, to_dict
 from longft.run.pipeline import run_all, run_stage, stage_commands
 
@@ -39,6 +40,7 @@ def test_sparse_run_resumes_exactly_and_exports_a_plain_model(tmp_path):
     first, weights = _losses(tmp_path), load_file(tmp_path / "export" / "model.safetensors")
     assert sorted(first) == [1, 2, 3, 4] and not [k for k in weights if "sparse" in k]
 
+    as_killed_after_last_checkpoint(tmp_path / "checkpoints")  # a completed run in place retrains
     again = run_stage("train", stage_commands(tmp_path / "params.yaml", tmp_path)["train"])
     assert "resumed from" in again and "step-2" in again and "sparse warm-up" not in again
     assert _losses(tmp_path) == first

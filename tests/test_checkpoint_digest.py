@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from interrupted_run import as_killed_after_last_checkpoint
 from longft.config.params import Config, merge, to_dict
 from longft.engine.checkpoint import MARKER, CheckpointError, _sha256, verify
 from longft.run.pipeline import StageFailed, run_all, run_stage, stage_commands
@@ -81,6 +82,7 @@ def trained(tmp_path_factory):
 def copy(trained, tmp_path):
     work = tmp_path / "w"
     shutil.copytree(trained, work)
+    as_killed_after_last_checkpoint(work / "checkpoints")  # a completed run in place retrains
     return work, stage_commands(work / "params.yaml", work)["train"]
 
 

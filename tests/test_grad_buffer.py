@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from interrupted_run import as_killed_after_last_checkpoint
 from longft.config.params import Config, ModelConfig, merge, to_dict
 from longft.engine.grad_buffer import MAP, GradBufferError, share
 from longft.estimate.estimator import GIB, Setup, estimate
@@ -57,6 +58,7 @@ def test_shared_buffer_trains_bit_for_bit_like_the_full_one_and_resumes(tmp_path
     # The train stage again, from the periodic checkpoint step-2 (step-4 removed): the buffer is
     # shared after the load, and steps 4 and 5 see updates made through it after the resume.
     shutil.rmtree(shared.work / "checkpoints" / "step-4")
+    as_killed_after_last_checkpoint(shared.work / "checkpoints")
     out = run_stage("train", stage_commands(shared.work / "params.yaml", shared.work)["train"])
     assert "resumed from" in out and "step-2" in out and "host gradient buffer shared" in out
     rows = [json.loads(x) for x in (shared.work / "run" / "rank0.jsonl").read_text().splitlines()]

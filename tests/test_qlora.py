@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from interrupted_run import as_killed_after_last_checkpoint
 from longft.config.params import Config, ConfigError, ModelConfig, from_dict, merge, to_dict
 from longft.model.quantize import dequantized_state_dict, quantize_linears
 
@@ -352,6 +353,7 @@ def test_qlora_resume_is_exact(tmp_path, byte_tokenizer):
     steps = sorted(p for p in work.glob("checkpoints/**/step-*") if p.is_dir())
     assert [p.name for p in steps] == ["step-2", "step-4"]  # the periodic ones (not the last step)
     shutil.rmtree(steps[1])  # as if the run had died in step 5 before its checkpoint: step-2
+    as_killed_after_last_checkpoint(work / "checkpoints")
     module = torch.load(next(steps[0].glob("mp_rank_*_model_states.pt")), weights_only=False)["module"]
     assert any("lora_A" in k for k in module)
     assert not any(k.endswith("q_proj.base_layer.weight") for k in module)  # the frozen base is not saved

@@ -11,6 +11,7 @@ import time
 import pytest
 import yaml
 
+from interrupted_run import as_killed_after_last_checkpoint
 from longft.config.params import Config, merge, to_dict
 from longft.run.pipeline import StageFailed, run_all, run_stage, stage_commands
 
@@ -73,6 +74,7 @@ def test_corrupted_checkpoint_is_refused_and_the_previous_one_resumes_once_it_is
     work = tmp_path / "w"
     cmd = setup(work)
     run_stage("train", cmd)
+    as_killed_after_last_checkpoint(work / "checkpoints")
     newest = work / "checkpoints" / "step-4"
     for f in newest.rglob("*.pt"):
         f.write_bytes(b"not a checkpoint")

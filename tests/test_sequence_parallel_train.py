@@ -9,6 +9,7 @@ import socket
 import pytest
 import yaml
 
+from interrupted_run import as_killed_after_last_checkpoint
 from longft.config.params import Config, merge, to_dict
 from longft.data.store import PreparedDataset
 from longft.model.packed_attention import document_lengths
@@ -105,6 +106,7 @@ def test_a_sequence_parallel_run_resumes_from_its_checkpoint(tmp_path):
     first, _ = run(tmp_path, "two", 2, 2, {"pack": False}, train={"iterations": 4},
                    output={"checkpoint_every": 2, "keep_last": 2})
     work = tmp_path / "two"
+    as_killed_after_last_checkpoint(work / "checkpoints")  # a completed run in place retrains
     again = run_stage("train", stage_commands(work / "params.yaml", work)["train"])
     assert f"resumed from {work / 'checkpoints'}/step-2" in again
     resumed = steps(work)

@@ -12,8 +12,9 @@ configuration (fingerprint and params). Before any rank starts, `Earlier.arrange
 - moves runs/train of the run before aside (runs/.train.previous) when this run starts afresh;
 - says in one line which checkpoint the run resumes and why, or why none.
 A run that completed marks its configuration's record complete; a run of the same configuration
-after it (`dvc repro -f`, `dvc exp run -f`) retrains from step 0 instead of resuming the completed
-run's last periodic checkpoint: those checkpoints wait in checkpoints/other/<fingerprint>.completed/
+right after it, in place (`dvc repro -f`, `dvc exp run -f`), retrains from step 0 instead of
+resuming the completed run's last periodic checkpoint (checkpoints brought back from other/, when
+params were set back to theirs, are resumed): those checkpoints wait in checkpoints/other/<fingerprint>.completed/
 until it completes (then they are deleted: it replaced them), and its measurements are its own.
 After the run, `Earlier.finish`: a run that completed deletes runs/.train.previous; a run that
 ended before its first step (refused or failed at start) puts everything back where it was, so a
@@ -105,8 +106,10 @@ class Earlier:
         run_owner = _read_record(self.run_dir).get("fingerprint") if self.run_dir.is_dir() else None
         if self.ckpt_dir is not None:
             self._park(traj, run_owner)
-            self._bring_back()
+            # before _bring_back: only a run that completed in place is retrained (a forced
+            # re-run); checkpoints brought back from other/ (params set back) are resumed
             self._retire_completed()
+            self._bring_back()
             self.resumable, self.resumable_tag = newest(self.ckpt_dir, self.fingerprint) \
                 if resume else (0, "")
         run_owner = _read_record(self.run_dir).get("fingerprint") if self.run_dir.is_dir() else None
