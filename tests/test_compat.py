@@ -109,6 +109,8 @@ def test_the_installed_libraries_have_every_internal():
     """The lock's versions (and scripts/test_newest.sh's newest inside pyproject's caps)."""
     found = compat.check()
     gone = {label: why for per in found.values() for label, why in per.items() if why}
+    if torch.version.cuda is None:   # a CPU build has no pinned-host cache to empty
+        assert gone.pop("torch._C._host_emptyCache", None) == "torch._C._host_emptyCache is gone"
     assert not gone
     assert set(found) == {a.feature for _, a in compat.accesses()}
 
@@ -141,3 +143,52 @@ def test_a_zero3_export_needs_deepspeeds_gather_and_clip_scale_is_recorded(monke
     assert f"{ds.CONSOLIDATED} is gone" in problems[0]
     _, problems = compat.gate(from_dict({"output": {"export": False}}), {})
     assert not problems   # no export, nothing gathered
+
+
+VARLEN_OP = "torch.nn.attention.varlen.torch.ops.torch_attn._varlen_attn"
+
+
+def test_keep_attention_on_varlen_rows_refuses_where_torch_lost_varlen_attns_op(monkeypatch):
+    """keep_attention has no off: on varlen_attn's packed rows it needs torch_attn::_varlen_attn
+    (a moved op would keep nothing there), so its loss refuses; other rows do not need it."""
+    from longft.compat import torch as torch_compat
+    from longft.model import keep_attention
+
+    cfg = from_dict({"checkpointing": {"keep_attention": 2}})
+    record, problems = compat.gate(cfg, {"packed_attention": Choice("varlen", "auto")})
+    assert record[VARLEN_OP] == "ok" and not problems
+    assert torch_compat.varlen_attn_op() in keep_attention.kernel_ops()
+    namespace = types.SimpleNamespace(ops=types.SimpleNamespace(torch_attn=types.SimpleNamespace()))
+    fake(monkeypatch, torch_compat.VARLEN_MODULE, torch=namespace)   # the op moved
+    record, problems = compat.gate(cfg, {"packed_attention": Choice("varlen", "auto")})
+    assert record[VARLEN_OP] == f"{VARLEN_OP} is gone"
+    assert len(problems) == 1 and problems[0].startswith(
+        "checkpointing.keep_attention (on varlen_attn's packed rows) needs a library internal")
+    assert torch_compat.varlen_attn_op() is None
+    record, problems = compat.gate(cfg, {"packed_attention": Choice("per_document", "auto")})
+    assert VARLEN_OP not in record and not problems
+    _, problems = compat.gate(from_dict({}), {"packed_attention": Choice("varlen", "auto")})
+    assert not problems   # keep_attention 0 keeps nothing
+
+
+def test_the_host_cache_emptying_is_recorded_on_cuda_and_falls_back_to_the_public_call(monkeypatch):
+    """The trainer empties the pinned-host cache through torch._C._host_emptyCache, else through
+    torch.accelerator.empty_host_cache; its loss is recorded in plan.json (CUDA runs), never refused."""
+    from longft.compat import torch as torch_compat
+
+    label = "torch._C._host_emptyCache"
+    monkeypatch.delattr(torch._C, "_host_emptyCache", raising=False)
+    record, problems = compat.gate(from_dict({}), {"device": Choice("cuda", "auto")})
+    assert record[label] == f"{label} is gone" and not problems
+    record, _ = compat.gate(from_dict({}), {"device": Choice("cpu", "auto")})
+    assert label not in record
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("public"))
+    assert torch_compat.empty_host_cache() and calls == ["public"]
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("private"), raising=False)
+    record, _ = compat.gate(from_dict({}), {"device": Choice("cuda", "auto")})
+    assert record[label] == "ok"
+    assert torch_compat.empty_host_cache() and calls == ["public", "private"]
+    monkeypatch.delattr(torch._C, "_host_emptyCache")
+    monkeypatch.delattr(torch.accelerator, "empty_host_cache")
+    assert not torch_compat.empty_host_cache()

@@ -3,7 +3,9 @@
 A knob resolved to a value that needs a missing internal is turned off with the reason where
 params left it `auto`, and refused (one `PlanError` line naming the internal, the installed version
 and the fix) where params set it. What has no "off" (the attention implementation every run reads,
-QLoRA's bitsandbytes hooks, Ulysses, keep_attention, a partial offload) refuses. plan.json's
+QLoRA's bitsandbytes hooks, Ulysses, keep_attention (on varlen_attn's rows too), a partial
+offload) refuses; what has a fallback of its own (clip_scale, the pinned-host cache's emptying) is
+only recorded. plan.json's
 `patches.compat` records each access checked: "ok" or why not.
 """
 
@@ -49,12 +51,14 @@ KNOBS = {
 """Resolved knob -> what it needs; `auto` turns off, a value set in params refuses."""
 
 
-def settings_needing(cfg: Config) -> dict[str, str]:
+def settings_needing(cfg: Config, choices: dict[str, Choice]) -> dict[str, str]:
     """Features that params (not a resolved knob) need, with the param that asks for them."""
     out = {"always": "the attention implementation (every run)"}
     if cfg.checkpointing.keep_attention > 0:
         out["keep_attention"] = "checkpointing.keep_attention"
         out["checkpoint_function"] = "checkpointing.keep_attention"
+        if _value(choices, "packed_attention") == "varlen":  # keeps varlen_attn's kernel op too
+            out["keep_attention_varlen"] = "checkpointing.keep_attention (on varlen_attn's packed rows)"
     if cfg.hardware.sequence_parallel > 1:
         out["sequence_parallel"] = "hardware.sequence_parallel"
     if cfg.zero.offload_ratio < 1:
@@ -67,6 +71,20 @@ def settings_needing(cfg: Config) -> dict[str, str]:
 RECORDED = frozenset({"clip_scale"})
 """Features with a fallback of their own (clip_scale falls back to DeepSpeed's clipping pass, the
 same result): checked and recorded in plan.json, never refused."""
+
+RECORDED_ON_CUDA = frozenset({"host_empty_cache"})
+"""Recorded, never refused, on CUDA runs only: the trainer empties the pinned-host cache through
+torch.accelerator.empty_host_cache where the private call is gone (the same allocator), and keeps
+the cache where neither is there (more host RAM than the estimate; plan.json says why)."""
+
+
+def _value(choices: dict[str, Choice], key: str):
+    return choices[key].value if key in choices else None
+
+
+def recorded(choices: dict[str, Choice]) -> frozenset[str]:
+    """The features checked only to be recorded, for these resolved choices."""
+    return RECORDED | (RECORDED_ON_CUDA if _value(choices, "device") == "cuda" else frozenset())
 
 
 def accesses() -> tuple[tuple[str, Access], ...]:
@@ -95,8 +113,8 @@ def gate(cfg: Config, choices: dict[str, Choice]) -> tuple[dict[str, str], list[
     """Turn off (auto) or refuse (set in params) every knob whose internals are missing; change
     `choices` in place. Returns (plan.json's compat record, problems for one PlanError)."""
     asked = {k: kn for k, kn in KNOBS.items() if k in choices and kn.needs(choices[k])}
-    direct = settings_needing(cfg)
-    found = check({kn.feature for kn in asked.values()} | set(direct) | RECORDED)
+    direct = settings_needing(cfg, choices)
+    found = check({kn.feature for kn in asked.values()} | set(direct) | recorded(choices))
     problems: list[str] = []
     for k, kn in asked.items():
         why = _why(kn.feature, found)

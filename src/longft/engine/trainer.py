@@ -24,6 +24,7 @@ from longft.engine import (
     block_warmup,
     checkpoint,
     ds_config,
+    host_cache,
     profiling,
     stop,
     train_step,
@@ -173,7 +174,6 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
     partitioned as it is created), patched and handed to DeepSpeed, the resumed state (when
     output.resume finds a checkpoint) and the shared host gradient slot."""
     import deepspeed
-    import torch
 
     rank, world, cuda = _init_distributed(cfg, plan)
     loader, sampler, pad_id = _loader(cfg, data_dir, rank, world, cuda)
@@ -201,12 +201,7 @@ def setup(cfg: Config, plan: Plan, ds: dict, data_dir: Path, ckpt_dir: Path | No
         if rank == 0:
             print(f"longft: sparse warm-up: {picked}", flush=True)
     deferred = patch_optimizer(engine, cfg, plan, rank)
-    if cuda:
-        # zero.Init pins each parameter's partition, then copies them into flat pinned buffers:
-        # the per-parameter blocks go back to torch's pinned-host cache, which never returns them to
-        # the OS nor reuses them (sizes differ). Give them back: GiBs of host RAM with offload_param.
-        # (After resume, whose loading buffers would stay cached too.)
-        getattr(torch._C, "_host_emptyCache", lambda: None)()
+    host_cache.empty_after_init(cuda)  # zero.Init's freed pinned blocks back to the OS
     return Session(engine=engine, model=model, keep=keep, offloader=offloader, batches=batches,
                    pad_id=pad_id, fingerprint=fp, start=start, rank=rank, world=world, cuda=cuda,
                    evaluator=evaluator, sp=sp, deferred=deferred)

@@ -4,7 +4,7 @@ torch's power-of-two host caching allocator) and CPU Adam's states.
 
 from __future__ import annotations
 
-from longft.engine import param_copy_back
+from longft.engine import host_cache, param_copy_back
 from longft.estimate.arch import Numbers, share
 from longft.estimate.types import (
     CPU_LAUNCHER_BASE_BYTES,
@@ -35,8 +35,8 @@ def pinned_pool(events: list[tuple[str, str, int]], rounding: bool = True
 
     events: ("alloc", key, bytes), ("free", key, 0) or ("empty", "", 0). A request reuses a cached
     free block of the same power-of-two size, else takes a new one; freed blocks stay resident
-    until an "empty" (torch._C._host_emptyCache, which the trainer calls after
-    deepspeed.initialize) gives the cached ones back to the OS. Returns
+    until an "empty" (where engine/host_cache.py says the trainer empties the cache) gives the
+    cached ones back to the OS. Returns
     (rounded bytes of the blocks still allocated, by key) and the resident total (all blocks).
     rounding=False (a CPU run: pin_memory does nothing) keeps sizes and frees for real.
     """
@@ -148,7 +148,8 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
             for i, m in enumerate(n.trainable):
                 alloc(f"acc:{i}", w * share(m, N), "gradient accumulation buffers (pinned)")
     at_start = pinned_peak(events, rounding=cuda)   # all of deepspeed.initialize's pinned blocks
-    events.append(("empty", "", 0))  # after deepspeed.initialize (trainer.py)
+    if host_cache.empties_after_init(cuda):   # the trainer's rule, after deepspeed.initialize
+        events.append(("empty", "", 0))
     # only the decoder layers' saved inputs go (offload.CheckpointOffload), not the last
     # gpu_layers; in slabs of their exact size (model/pinned_slabs.py), not the power-of-two
     # blocks of torch's pinned allocator

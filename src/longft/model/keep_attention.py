@@ -32,13 +32,9 @@ def kernel_ops() -> set:
 
     ops = torch_compat.sdpa_ops()
     ops.add(flash_attn_4_op.fa4_forward._opoverload)
-    try:
-        import importlib
-
-        importlib.import_module("torch.nn.attention.varlen")  # registers torch_attn::_varlen_attn
-        ops.add(torch.ops.torch_attn._varlen_attn.default)
-    except (ImportError, AttributeError, RuntimeError):  # torch < 2.10
-        pass
+    varlen = torch_compat.varlen_attn_op()
+    if varlen is not None:
+        ops.add(varlen)
     for n in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
         try:
             ops.add(getattr(torch.ops.flash_attn, n).default)
