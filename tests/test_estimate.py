@@ -248,6 +248,8 @@ def test_ulysses_and_int8_bytes_per_token_by_hand():
     assert int8_forward_bytes(LLAMA_1B, Setup(1, 8192)) == 0
     # the largest linear, gate / up: h + 6 x I = 2048 + 6 x 8192 (int8 in, int32 and fp16 out)
     assert int8_forward_bytes(LLAMA_1B, Setup(1, 8192, quantize="int8")) == 2048 + 6 * 8192
+    # whole, not one tile's, however long the sequence, unless the MLP is tiled
+    assert int8_forward_bytes(LLAMA_1B, Setup(1, 131072, quantize="int8")) == 2048 + 6 * 8192
 
 
 def test_packed_rows_under_the_block_mask_add_a_mask_and_expand_kv():
