@@ -94,6 +94,8 @@ def test_reuse_distance_keeps_layers():
     assert reuse_layers(LLAMA_1B, Setup(1, 1024, checkpointing="none"), knobs) == 8
     # 8B: 3 x 218,112,000 = 654,336,000 < 1e9 < 2 x that: one layer kept
     assert reuse_layers(LLAMA_8B, Setup(1, 1024), knobs) == 1
+    assert reuse_layers(SMALL, Setup(1, 1024), knobs) == 1  # all but the current one: L - 1
+    assert reuse_layers(LLAMA_1B, Setup(1, 1024), {**knobs, "stage3_max_reuse_distance": 0}) == 0
 
 
 # ---------------------------------------------------------------- a small config, by hand
@@ -220,6 +222,34 @@ def test_eager_attention_is_quadratic():
     quad = layer_activation_bytes(LLAMA_1B, Setup(1, 8192, attention="eager"))["saved"]
     # + H x seq x (4 + 2) B per token (fp32 softmax + bf16 probabilities), K/V repeated to 32 heads
     assert quad - lin == 32 * 8192 * 6 + 2 * 2 * (2048 - 512)
+
+
+def test_sdpa_math_is_quadratic_like_eager_and_liger_off_keeps_more_per_layer():
+    quad = layer_activation_bytes(LLAMA_1B, Setup(1, 8192, attention="eager"))
+    assert layer_activation_bytes(LLAMA_1B, Setup(1, 8192, sdpa_backend="math")) == quad
+    on = layer_activation_bytes(SMALL, Setup(1, 1024))
+    off = layer_activation_bytes(SMALL, Setup(1, 1024, liger=False))
+    # h 64, I 176, Hd 64, K/V 32, bf16: norms 2 x (4 + 2 x 2) x 64 - 2 x 2 x 64 = 768; q, k
+    # 2 x 3 x (64 + 32) - 2 x (64 + 32) = 384; MLP saved 4 x 2 x 176 - 3 x 2 x 176 = 352
+    assert off["saved"] - on["saved"] == 768 + 384 + 352
+    # its backward: d(prod), d(act), d(up) 3 x 2 x 176 against Liger's 2 x 176
+    assert off["mlp_peak"] - on["mlp_peak"] == 768 + 384 + 352 + 2 * 2 * 176
+
+
+def test_ulysses_and_int8_bytes_per_token_by_hand():
+    from longft.estimate.gpu import int8_forward_bytes, ulysses_bytes
+
+    assert ulysses_bytes(LLAMA_1B, Setup(1, 8192)) == {"saved": 0, "buffers": 0}
+    # N = 2: q, k, v 2 x 64 x (32 + 2 x 8) = 6144 B a local token, + the output 2 x 32 x 64
+    assert ulysses_bytes(LLAMA_1B, Setup(1, 8192, sequence_parallel=2)) == \
+        {"saved": 6144 + 4096, "buffers": 2 * 6144}
+    # N = 16 > 8 K/V heads: k, v replicated to 16: 2 x 64 x (32 + 2 x 16) = 8192
+    assert ulysses_bytes(LLAMA_1B, Setup(1, 8192, sequence_parallel=16))["buffers"] == 2 * 8192
+    assert int8_forward_bytes(LLAMA_1B, Setup(1, 8192)) == 0
+    # the largest linear, gate / up: h + 6 x I = 2048 + 6 x 8192 (int8 in, int32 and fp16 out)
+    assert int8_forward_bytes(LLAMA_1B, Setup(1, 8192, quantize="int8")) == 2048 + 6 * 8192
+    # whole, not one tile's, however long the sequence, unless the MLP is tiled
+    assert int8_forward_bytes(LLAMA_1B, Setup(1, 131072, quantize="int8")) == 2048 + 6 * 8192
 
 
 def test_packed_rows_under_the_block_mask_add_a_mask_and_expand_kv():

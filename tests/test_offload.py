@@ -83,6 +83,21 @@ def test_small_tensors_and_parameters_stay_put():
     assert hooks.offloaded_bytes == 0
 
 
+def test_only_large_device_tensors_are_offloaded_and_the_defaults_follow_the_machine():
+    """A tensor off the host of at least min_bytes moves; a smaller one, or one already on the
+    host, stays. By default the hooks prefetch, and pin and copy on a side stream only with CUDA."""
+    from longft.model.checkpoint_offload import OFFLOAD_MIN_BYTES
+
+    hooks = OffloadHooks()
+    assert hooks.min_bytes == OFFLOAD_MIN_BYTES and hooks.prefetch is True
+    assert hooks.pin is torch.cuda.is_available()
+    assert (hooks.stream is None) is not torch.cuda.is_available()
+    elements = OFFLOAD_MIN_BYTES // 4  # fp32
+    assert hooks._offloadable(torch.empty(elements, device="meta"))
+    assert not hooks._offloadable(torch.empty(elements - 1, device="meta"))
+    assert not hooks._offloadable(torch.empty(elements))  # already on the host
+
+
 @pytest.mark.parametrize("mode", ["cpu_offload"])
 def test_plan_accepts_cpu_offload_on_a_gpu(mode):
     from longft.config.params import from_dict
@@ -118,6 +133,7 @@ def test_checkpoint_offload_moves_only_the_layer_inputs(gpu_layers):
     n_layers = len(_decoder_layers(model))
     assert hooks.offloaded_bytes == (n_layers - gpu_layers) * 256 * 64 * 4
     assert sorted(hooks.unpacked) == list(range(n_layers - gpu_layers))
+    assert hooks.prefetch_hits == n_layers - gpu_layers - 1  # all but the first unpack prefetched
     assert hooks.host == {} and hooks.prefetched == {}
 
 

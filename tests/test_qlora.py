@@ -87,12 +87,23 @@ def test_8bit_adamw_replaces_deepspeeds_adam_in_the_config():
 @pytest.mark.parametrize("kind, cls, rel_err", [("nf4", "Linear4bit", 0.15),
                                                  ("int8", "Linear8bitLt", 0.02)])
 def test_targeted_linears_are_quantized_frozen_and_dequantize_back(kind, cls, rel_err):
+    from longft.model.quantize import dequantized_weight, has_quantized_layers
+
     model = _tiny()
     plain = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not has_quantized_layers(model)
     n = quantize_linears(model, TARGETS, kind, torch.bfloat16, "cpu")
-    assert n == 7 * model.config.num_hidden_layers
+    assert n == 7 * model.config.num_hidden_layers and has_quantized_layers(model)
     q = model.model.layers[0].self_attn.q_proj
     assert type(q).__name__ == cls and not q.weight.requires_grad
+    if kind == "int8":
+        assert q.state.has_fp16_weights is False  # int8 weights only, no 16-bit copy kept
+    with pytest.raises(TypeError, match="not a bitsandbytes quantized Linear"):
+        dequantized_weight(model.lm_head, torch.float32)
+    biased = torch.nn.Sequential(torch.nn.Linear(128, 64))        # a bias stays, frozen
+    bias = biased[0].bias.detach().clone()
+    assert quantize_linears(biased, ("0",), kind, torch.bfloat16, "cpu") == 1
+    assert not biased[0].bias.requires_grad and torch.equal(biased[0].bias, bias.bfloat16())
     assert type(model.lm_head) is torch.nn.Linear  # the head stays: Liger's fused loss reads it
     sd = dequantized_state_dict(model, model.state_dict(), torch.bfloat16)
     assert set(sd) == set(plain)  # loads into the plain architecture

@@ -10,9 +10,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import longft
 from longft.run.launch import free_port
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(longft.__file__).parents[1]
+"""The src/ this process imports longft from, first on the worker's path: the worker runs the same
+code as the test (a mutant in scripts/mutants.py's copy of src/, not the working tree's)."""
 
 WORKER = textwrap.dedent('''
     import json, sys
