@@ -22,43 +22,46 @@ def _range(above, least, most) -> str:
     return " and ".join(parts)
 
 
-def number(*, above: float | None = None, least: float | None = None, most: float | None = None,
-           what: str = ""):
-    """A finite float within the bounds (`above` exclusive, `least`/`most` inclusive)."""
+def _bounded(convert, kind: str, name: str, *, above, least, most, what: str):
+    """An argparse type: `convert(text)` (None when it does not parse) within the bounds
+    (`above` exclusive, `least`/`most` inclusive), else the refusal with the range."""
     rng = _range(above, least, most)
     unit = f" ({what})" if what else ""
 
-    def parse(text: str) -> float:
-        try:
-            x = float(text)
-        except ValueError:
-            x = math.nan
-        ok = (math.isfinite(x) and (above is None or x > above) and (least is None or x >= least)
-              and (most is None or x <= most))
-        if not ok:
-            raise argparse.ArgumentTypeError(
-                f"must be a finite number{' ' + rng if rng else ''}{unit}, got {text}")
+    def parse(text: str):
+        x = convert(text)
+        if x is None or (above is not None and not x > above) or (least is not None and not x >= least) \
+                or (most is not None and not x <= most):
+            raise argparse.ArgumentTypeError(f"must be {kind}{' ' + rng if rng else ''}{unit}, got {text}")
         return x
-    parse.__name__ = "number"
+    parse.__name__ = name
     return parse
+
+
+def _float(text: str) -> float | None:
+    try:
+        x = float(text)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def number(*, above: float | None = None, least: float | None = None, most: float | None = None,
+           what: str = ""):
+    """A finite float within the bounds (`above` exclusive, `least`/`most` inclusive)."""
+    return _bounded(_float, "a finite number", "number", above=above, least=least, most=most, what=what)
 
 
 def integer(*, least: int | None = None, most: int | None = None, what: str = ""):
     """A whole number within [least, most]."""
-    rng = _range(None, least, most)
-    unit = f" ({what})" if what else ""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = None
-        if n is None or (least is not None and n < least) or (most is not None and n > most):
-            raise argparse.ArgumentTypeError(
-                f"must be a whole number{' ' + rng if rng else ''}{unit}, got {text}")
-        return n
-    parse.__name__ = "integer"
-    return parse
+    return _bounded(_int, "a whole number", "integer", above=None, least=least, most=most, what=what)
 
 
 def _file_above(p: Path) -> Path | None:
