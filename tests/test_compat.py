@@ -14,6 +14,9 @@ from longft.compat import gate as compat
 from longft.compat import transformers as tf_compat
 from longft.config.params import from_dict
 from longft.config.plan import Choice
+from longft.model import packed_attention
+
+VARLEN_OP = "torch.nn.attention.varlen.torch.ops.torch_attn._varlen_attn"
 
 STAGE3 = "deepspeed.runtime.zero.stage3"
 COORD = "deepspeed.runtime.zero.partitioned_param_coordinator"
@@ -111,6 +114,8 @@ def test_the_installed_libraries_have_every_internal():
     gone = {label: why for per in found.values() for label, why in per.items() if why}
     if torch.version.cuda is None:   # a CPU build has no pinned-host cache to empty
         assert gone.pop("torch._C._host_emptyCache", None) == "torch._C._host_emptyCache is gone"
+    if not packed_attention.varlen_available():   # torch before 2.10 (the images' 2.9.1): no varlen
+        assert gone.pop(VARLEN_OP).startswith("torch.nn.attention.varlen cannot be imported")
     assert not gone
     assert set(found) == {a.feature for _, a in compat.accesses()}
 
@@ -145,9 +150,6 @@ def test_a_zero3_export_needs_deepspeeds_gather_and_clip_scale_is_recorded(monke
     assert not problems   # no export, nothing gathered
 
 
-VARLEN_OP = "torch.nn.attention.varlen.torch.ops.torch_attn._varlen_attn"
-
-
 def test_keep_attention_on_varlen_rows_refuses_where_torch_lost_varlen_attns_op(monkeypatch):
     """keep_attention has no off: on varlen_attn's packed rows it needs torch_attn::_varlen_attn
     (a moved op would keep nothing there), so its loss refuses; other rows do not need it."""
@@ -155,9 +157,10 @@ def test_keep_attention_on_varlen_rows_refuses_where_torch_lost_varlen_attns_op(
     from longft.model import keep_attention
 
     cfg = from_dict({"checkpointing": {"keep_attention": 2}})
-    record, problems = compat.gate(cfg, {"packed_attention": Choice("varlen", "auto")})
-    assert record[VARLEN_OP] == "ok" and not problems
-    assert torch_compat.varlen_attn_op() in keep_attention.kernel_ops()
+    if packed_attention.varlen_available():   # torch 2.10 and later (the images' 2.9.1 has none)
+        record, problems = compat.gate(cfg, {"packed_attention": Choice("varlen", "auto")})
+        assert record[VARLEN_OP] == "ok" and not problems
+        assert torch_compat.varlen_attn_op() in keep_attention.kernel_ops()
     namespace = types.SimpleNamespace(ops=types.SimpleNamespace(torch_attn=types.SimpleNamespace()))
     fake(monkeypatch, torch_compat.VARLEN_MODULE, torch=namespace)   # the op moved
     record, problems = compat.gate(cfg, {"packed_attention": Choice("varlen", "auto")})
@@ -183,7 +186,9 @@ def test_the_host_cache_emptying_is_recorded_on_cuda_and_falls_back_to_the_publi
     record, _ = compat.gate(from_dict({}), {"device": Choice("cpu", "auto")})
     assert label not in record
     calls = []
-    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("public"))
+    # (torch.accelerator.empty_host_cache is torch 2.10's; the images' 2.9.1 lacks it)
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("public"),
+                        raising=False)
     assert torch_compat.empty_host_cache() and calls == ["public"]
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("private"), raising=False)
     record, _ = compat.gate(from_dict({}), {"device": Choice("cuda", "auto")})
