@@ -8,9 +8,10 @@
 The search (longft.estimate.placement) covers what the params train (full-parameter, LoRA, QLoRA or
 block-sparse, over a bf16 or quantized base, and their optimizer); --lora, --quantize, --optimizer
 and --optimizer-states widen or pin it. The overlay keeps the base params' model, data and LoRA
-choices. When nothing fits (exit 1) it prints the longest context that fits for full-parameter,
-LoRA and QLoRA training and the smallest changes that make the asked run fit
-(longft.estimate.advice), each with its predicted speed, and the overlay of the smallest. docs/estimator.md has the search and the speed model.
+choices. When nothing fits (exit 1) it prints the longest context that fits for full-parameter, LoRA
+and QLoRA training and the smallest changes that make the asked run fit (longft.estimate.advice),
+each with its predicted speed, and the overlay of the smallest. docs/estimator.md has the search and
+the speed model.
 """
 
 from __future__ import annotations
