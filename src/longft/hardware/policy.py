@@ -383,8 +383,7 @@ def _bitsandbytes_missing(what: str) -> list[str]:
 
 
 def resolve_quantize(cfg: Config, precision: str) -> tuple[Choice, list[str]]:
-    """lora.quantize: what the frozen base weights are stored in, under what, and on which ZeRO
-    stage."""
+    """lora.quantize: what the frozen base is stored in, under what, and on which ZeRO stage."""
     q = cfg.lora.quantize
     if not qlora.quantized(cfg):
         return Choice("none", "base weights in the training dtype"), []
