@@ -37,10 +37,11 @@ def test_nf4_and_int8_bytes_of_one_weight():
 
 
 def test_qlora_runs_on_zero2():
-    assert qlora_zero_stage(3, 16, "nf4") == 2
-    assert qlora_zero_stage(3, 16, "int8") == 2
-    assert qlora_zero_stage(3, 16, "none") == 3
-    assert qlora_zero_stage(3, 0, "nf4") == 3              # no LoRA: nothing is quantized
+    assert qlora_zero_stage(3, 16, "nf4", 0) == 2
+    assert qlora_zero_stage(3, 16, "int8", 0) == 2
+    assert qlora_zero_stage(3, 16, "none", 0) == 3
+    assert qlora_zero_stage(3, 0, "nf4", 0) == 3           # no LoRA, no blocks: nothing is quantized
+    assert qlora_zero_stage(3, 0, "nf4", 8) == 2           # block-sparse over a quantized base
     cfg = from_dict({"lora": {"rank": 16, "quantize": "nf4"},
                      "zero": {"stage": 2, "offload_param": "none"}})
     s = setup_from_config(cfg, {"device": "cuda", "precision": "bf16", "attention": "sdpa",
@@ -150,8 +151,8 @@ def test_8bit_adam_states_on_the_gpu_by_hand():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"quantize": "nf4"}, "needs lora_rank > 0 and zero_stage 2"),
-    ({"quantize": "nf4", "lora_rank": 8}, "needs lora_rank > 0 and zero_stage 2"),
+    ({"quantize": "nf4"}, "needs lora_rank > 0 or sparse_blocks > 0, and zero_stage 2"),
+    ({"quantize": "nf4", "lora_rank": 8}, "needs lora_rank > 0 or sparse_blocks > 0, and zero_stage 2"),
     ({"quantize": "fp4"}, "is not none, nf4 or int8"),
     ({"optimizer": "adamw_8bit", "offload_optimizer": True}, "needs offload_optimizer none"),
     ({"optimizer": "lion"}, "is not adamw"),

@@ -79,6 +79,7 @@ def test_the_24_gib_card_gets_an_answer(tmp_path, monkeypatch, on, capsys):
     assert m and 65536 <= int(m.group(1).replace(",", "")) < 131072, longest
     changes = out[out.index("changes that make"):out.index("smallest change that fits")]
     for change in ("8-bit optimizer states", "optimizer states on NVMe", "LoRA r=16",
+                   "block-sparse 46 x 64^2 ", "block-sparse 46 x 64^2 over nf4",
                    "QLoRA nf4 r=16", "more GPUs", "shorter context"):
         assert change in changes, change
     m = re.search(r"smallest change that fits: (.+?) \(~([\d,]+) tok/s predicted\)", out)

@@ -5,12 +5,13 @@
         [--optimizer any|adamw|adamw_8bit|paged_adamw_8bit] [--optimizer-states any|fp32|bf16] \
         [--nvme-path DIR] [--out overlay.yaml]
 
-The search (longft.estimate.placement) covers what the params train (full-parameter, LoRA or QLoRA,
-and their optimizer); --lora, --quantize, --optimizer and --optimizer-states widen or pin it. The
-overlay keeps the base params' model, data and LoRA choices. When nothing fits (exit 1) it prints
-the longest context that fits for full-parameter, LoRA and QLoRA training and the smallest changes
-that make the asked run fit (longft.estimate.advice), each with its predicted speed, and the
-overlay of the smallest. docs/estimator.md has the search and the speed model.
+The search (longft.estimate.placement) covers what the params train (full-parameter, LoRA, QLoRA or
+block-sparse, over a bf16 or quantized base, and their optimizer); --lora, --quantize, --optimizer
+and --optimizer-states widen or pin it. The overlay keeps the base params' model, data and LoRA
+choices. When nothing fits (exit 1) it prints the longest context that fits for full-parameter, LoRA
+and QLoRA training and the smallest changes that make the asked run fit (longft.estimate.advice),
+each with its predicted speed, and the overlay of the smallest. docs/estimator.md has the search and
+the speed model.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--lora", help="what trains: none (all parameters), RANK (LoRA at that rank) or "
                     "any (both; LoRA at the params' rank, else 16). Default: the params' lora.rank")
     ap.add_argument("--quantize", choices=(*QUANTIZE, "any"),
-                    help="LoRA's base weights: none, nf4 or int8 (QLoRA, bitsandbytes, on ZeRO-2), "
-                    "or any of them. Default: the params' lora.quantize")
+                    help="the frozen base weights under LoRA or sparse blocks: none, nf4 or int8 "
+                    "(QLoRA or block-sparse over a quantized base, bitsandbytes, on ZeRO-2), or "
+                    "any of them. Default: the params' lora.quantize")
     ap.add_argument("--optimizer", choices=(*OPTIMIZERS, "any"),
                     help="adamw, adamw_8bit or paged_adamw_8bit (bitsandbytes' 8-bit states on the "
                     "GPU, no optimizer offload), or any (adamw and adamw_8bit). Default: the "
@@ -79,6 +81,7 @@ def tunings(cfg, lora: str | None, quantize: str | None, optimizer: str | None) 
     """What the search may train, the params' own way first: --lora x --quantize x --optimizer,
     each defaulting to the params. Raises ValueError for a combination that cannot be."""
     own = Tuning(cfg.lora.rank, cfg.lora.quantize if cfg.lora.rank else "none", cfg.optim.name)
+    sparse = cfg.sparse.blocks and lora is None  # the params train blocks (sparse.*): search that
     if lora is None:
         ranks = [cfg.lora.rank]
     elif lora == "none":
@@ -91,14 +94,15 @@ def tunings(cfg, lora: str | None, quantize: str | None, optimizer: str | None) 
         raise ValueError(f"--lora {lora!r}: give none, any or a rank > 0")
     quants = (list(QUANTIZE) if quantize == "any" else [quantize] if quantize
               else [cfg.lora.quantize])
-    if quantize not in (None, "none", "any") and not any(ranks):
-        raise ValueError(f"--quantize {quantize} quantizes LoRA's base weights: add --lora RANK or "
-                         "--lora any (the params train all parameters)")
+    if quantize not in (None, "none", "any") and not any(ranks) and not sparse:
+        raise ValueError(f"--quantize {quantize} quantizes the base weights under LoRA or sparse "
+                         "blocks: add --lora RANK or --lora any (the params train all parameters)")
     opts = ["adamw", "adamw_8bit"] if optimizer == "any" else [optimizer or cfg.optim.name]
     out = [Tuning(r, q if r else "none", o) for r in ranks for q in quants for o in opts]
-    if cfg.sparse.blocks and lora is None:  # the params train blocks (sparse.*): search that
-        out = [Tuning(0, "none", o, cfg.sparse.blocks, cfg.sparse.block_size) for o in opts]
-        own = out[0]
+    if sparse:  # blocks over the params' base (bf16, or quantized), or over --quantize's
+        out = [Tuning(0, q, o, cfg.sparse.blocks, cfg.sparse.block_size) for q in quants
+               for o in opts]
+        own = Tuning(0, cfg.lora.quantize, cfg.optim.name, cfg.sparse.blocks, cfg.sparse.block_size)
     out = list(dict.fromkeys(out))
     return tuple(sorted(out, key=lambda t: t != own))
 

@@ -1,10 +1,18 @@
-"""The rules of QLoRA (`lora.quantize`) and of bitsandbytes' 8-bit AdamW (`optim.name`), written once.
+"""The rules of a quantized base (`lora.quantize`) and of bitsandbytes' 8-bit AdamW (`optim.name`),
+written once.
 
-QLoRA runs on ZeRO-2: the frozen 4/8-bit base weights stay whole on each GPU, and only the
-adapters (and their optimizer states) are partitioned. ZeRO-3 would partition the packed weights
-but not bitsandbytes' quantization state that travels beside them, so a QLoRA run on zero.stage 3 is
-refused with the fix (zero.stage: 2): params.yaml, the plan, the metrics and `dvc exp show` all say
-the stage that runs. The plan's `quantize` choice gives the reason (hardware.policy).
+`lora.quantize` quantizes the frozen base weights of the linears that train something beside them:
+LoRA's targets under adapters (QLoRA, `lora.rank > 0`) or block-sparse finetuning's targets under
+their trained blocks (`sparse.blocks > 0`). It is one knob for both because it means one thing, the
+frozen base's storage; `quantized_base` is the one rule that says whether the base is quantized, and
+the ZeRO stage, the checks, the plan and the estimator all ask it.
+
+A quantized base runs on ZeRO-2: the frozen 4/8-bit base weights stay whole on each GPU, and only
+the adapters or blocks (and their optimizer states) are partitioned. ZeRO-3 would partition the
+packed weights but not bitsandbytes' quantization state that travels beside them, so a quantized
+run on zero.stage 3 is refused with the fix (zero.stage: 2): params.yaml, the plan, the metrics and
+`dvc exp show` all say the stage that runs. The plan's `quantize` choice gives the reason
+(hardware.policy).
 """
 
 from __future__ import annotations
@@ -12,38 +20,60 @@ from __future__ import annotations
 from longft.config.sections import Config
 
 QLORA_STAGE = 2
-STAGE_REASON = ("QLoRA runs on ZeRO-2: the frozen quantized base weights stay whole on each GPU "
-                "(ZeRO-3 would partition the packed weights but not bitsandbytes' quantization "
-                "state beside them); the adapters and their optimizer states are partitioned")
+STAGE_REASON = ("a quantized base runs on ZeRO-2: the frozen quantized base weights stay whole on "
+                "each GPU (ZeRO-3 would partition the packed weights but not bitsandbytes' "
+                "quantization state beside them); the adapters or blocks and their optimizer "
+                "states are partitioned")
 EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
 
 
-def is_qlora(lora_rank: int, quantize: str) -> bool:
-    """LoRA adapters over quantized base weights (QLoRA)."""
-    return lora_rank > 0 and quantize != "none"
+def quantized_base(lora_rank: int, quantize: str, sparse_blocks: int) -> bool:
+    """The frozen base weights are quantized: lora.quantize is set and something trains beside
+    them, LoRA adapters (QLoRA) or sparse blocks."""
+    return quantize != "none" and (lora_rank > 0 or sparse_blocks > 0)
 
 
-def stage(zero_stage: int, lora_rank: int, quantize: str) -> int:
-    """The ZeRO stage a QLoRA run needs (QLORA_STAGE), `zero_stage` otherwise. The one rule: the
-    check that refuses another stage (`quantize`) and the estimator (estimate/*) take it from here."""
-    return QLORA_STAGE if is_qlora(lora_rank, quantize) else zero_stage
+def stage(zero_stage: int, lora_rank: int, quantize: str, sparse_blocks: int) -> int:
+    """The ZeRO stage a run over a quantized base needs (QLORA_STAGE), `zero_stage` otherwise. The
+    one rule: the check that refuses another stage (`quantize`) and the estimator (estimate/*)
+    take it from here."""
+    return QLORA_STAGE if quantized_base(lora_rank, quantize, sparse_blocks) else zero_stage
 
 
 def quantized(cfg: Config) -> bool:
-    return is_qlora(cfg.lora.rank, cfg.lora.quantize)
+    return quantized_base(cfg.lora.rank, cfg.lora.quantize, cfg.sparse.blocks)
+
+
+def quantized_targets(lora_targets: tuple[str, ...], sparse_blocks: int,
+                      sparse_targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The linears whose frozen weights a quantized base holds in bitsandbytes' blocks: those
+    that train beside them (sparse.target_modules under block-sparse finetuning, else LoRA's
+    lora.target_modules); the other linears stay in the training dtype, as under QLoRA."""
+    return tuple(sparse_targets) if sparse_blocks > 0 else tuple(lora_targets)
+
+
+def targets(cfg: Config) -> tuple[str, ...]:
+    """quantized_targets of `cfg` (model/quantize.py quantizes these; export records them)."""
+    return quantized_targets(cfg.lora.target_modules, cfg.sparse.blocks, cfg.sparse.target_modules)
+
+
+def trained_beside(cfg: Config) -> str:
+    """What trains over the quantized base, in words (the plan's reason, messages)."""
+    return "the trained blocks" if cfg.sparse.blocks > 0 else "LoRA adapters (QLoRA)"
 
 
 def quantize(cfg: Config) -> list[str]:
-    """What lora.quantize (QLoRA) cannot be combined with; each message names the fix
-    (checks._lora runs it)."""
+    """What lora.quantize (a quantized base under LoRA adapters or sparse blocks) cannot be
+    combined with; each message names the fix (checks._lora runs it)."""
     p: list[str] = []
     q, z = cfg.lora.quantize, cfg.zero
-    if q != "none" and cfg.lora.rank <= 0:
-        p.append(f"lora.quantize: {q} quantizes the frozen base weights under LoRA adapters "
-                 f"(QLoRA) and needs lora.rank > 0; set lora.rank (e.g. 16) or lora.quantize: none")
-    if q != "none" and cfg.lora.rank > 0:
+    if q != "none" and not quantized(cfg):
+        p.append(f"lora.quantize: {q} quantizes the frozen base weights under LoRA adapters or "
+                 f"sparse blocks and needs lora.rank > 0 or sparse.blocks > 0; set lora.rank (e.g. "
+                 f"16), sparse.blocks (e.g. 32), or lora.quantize: none")
+    if quantized(cfg):
         why = f"lora.quantize {q} runs on ZeRO-2 (the quantized weights stay whole on each GPU)"
-        if z.stage != stage(z.stage, cfg.lora.rank, q):
+        if z.stage != stage(z.stage, cfg.lora.rank, q, cfg.sparse.blocks):
             p.append(f"zero.stage: {z.stage}, but {why}: ZeRO-3 would partition the packed "
                      f"weights but not bitsandbytes' quantization state beside them; set "
                      f"zero.stage: 2 (-S zero.stage=2), or lora.quantize: none")

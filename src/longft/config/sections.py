@@ -272,10 +272,12 @@ class LoraConfig:
     target_modules: tuple[str, ...] = (
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     quantize: Literal["none", "nf4", "int8"] = "none"
-    """LoRA only: the frozen base weights in bitsandbytes' 4-bit NF4 with double quantization
-    (QLoRA) or 8-bit, computing in the training dtype; the adapters stay in the training dtype.
-    QLoRA runs on ZeRO-2: it needs zero.stage 2 (stage 3 is refused with the fix, so params say
-    what runs). none = base weights in the training dtype."""
+    """With LoRA (lora.rank > 0: QLoRA) or block-sparse finetuning (sparse.blocks > 0): the frozen
+    base weights of the targeted linears (lora.target_modules, or sparse.target_modules) in
+    bitsandbytes' 4-bit NF4 with double quantization or 8-bit, computing in the training dtype;
+    the adapters or blocks stay in the training dtype. A quantized base runs on ZeRO-2: it needs
+    zero.stage 2 (stage 3 is refused with the fix, so params say what runs). none = base weights
+    in the training dtype."""
 
 
 @dataclass(frozen=True)

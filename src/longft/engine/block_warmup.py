@@ -2,15 +2,18 @@
 step of a fresh run, `sparse.warmup_steps` micro-batches of full gradients, with no update, pick
 each target matrix's `sparse.blocks` blocks of largest summed |gradient|.
 
-The micro-batches are the first of this rank's share at epoch 0 (the rows the first steps train
-on), read straight from the prepared data so the loader's order and the RNG are not touched. The
-forward and backward run through the DeepSpeed engine's model (ZeRO-3 gathers the weights as in
-training, activation checkpoints are offloaded as in training); the frozen weights' gradients are
-never stored: each target linear adds the block sums of |dy^T x| to an fp32 [out/b x in/b] buffer.
-The buffers are summed over the ranks, so every rank picks the same blocks; ties go to the lower
-block index, so the choice depends on the seed (which rows) and the data alone. The chosen blocks
-live in each linear's `sparse_index` buffer, saved with every checkpoint: a resumed run loads them
-and skips the warm-up.
+The micro-batches are the first of this rank's share at epoch 0 (the rows the first steps train on),
+read straight from the prepared data so the loader's order and the RNG are not touched. The forward
+and backward run through the DeepSpeed engine's model (ZeRO-3 gathers the weights as in training,
+activation checkpoints are offloaded as in training). On ZeRO-2 (a quantized base), where each rank
+holds the whole model, they run through the module itself: the engine's forward hooks the loss so
+that its backward reduces the gradients, and ZeRO-2's reduction fails when there is no gradient to
+reduce (DeepSpeed 0.19: IndexError in reduce_ipg_grads). The frozen weights' gradients (over a
+quantized base: none exist) are never stored: each target linear adds the block sums of |dy^T x| to
+an fp32 [out/b x in/b] buffer. The buffers are summed over the ranks, so every rank picks the same
+blocks; ties go to the lower block index, so the choice depends on the seed (which rows) and the
+data alone. The chosen blocks live in each linear's `sparse_index` buffer, saved with every
+checkpoint: a resumed run loads them and skips the warm-up.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def choose(engine, cfg: Config, dataset, *, rank: int, world: int, pad_id: int, 
 
     s, micro = cfg.sparse, cfg.train.micro_batch_size
     model = engine.module
+    forward = engine if cfg.zero.stage == 3 else model  # ZeRO-2: no gradient reduction to run
     mods = [m for _, m in block_sparse.targets(model, s.target_modules)]
     rows = warmup_rows(len(dataset), rank, world, cfg.train.seed, s.warmup_steps * micro)
     t0 = time.perf_counter()
@@ -64,8 +68,8 @@ def choose(engine, cfg: Config, dataset, *, rank: int, world: int, pad_id: int, 
                 docs, _ = doc_kwargs(cpu, pad_id, engine.device, packed)
                 if offloader is not None:
                     offloader.new_step()
-                loss = engine(input_ids=b["input_ids"], labels=b["labels"],
-                              position_ids=b["position_ids"], **docs).loss
+                loss = forward(input_ids=b["input_ids"], labels=b["labels"],
+                               position_ids=b["position_ids"], **docs).loss
                 loss.backward()
             masses = [getattr(m, block_sparse.MASS) for m in mods]
             if dist.is_initialized() and world > 1:

@@ -3,6 +3,7 @@ hands it to DeepSpeed)."""
 
 from __future__ import annotations
 
+from longft.config import qlora
 from longft.config.params import Config
 from longft.config.plan import Plan
 from longft.errors import TrainingError
@@ -18,8 +19,9 @@ def build(cfg: Config, plan: Plan, ds: dict):
     """(model, keep, offloader): the model as the trainer trains it, from the plan: created under
     ZeRO-3's zero.Init (`keep`, the HfDeepSpeedConfig that makes transformers do so, must live as
     long as the model), patched (Liger, SDPA backend, tiled MLP, kept attention, packed attention),
-    its checkpoints offloaded (`offloader`, or None), its LoRA-targeted layers quantized
-    (lora.quantize, QLoRA) and LoRA-wrapped or given trainable blocks (sparse.*), in that order."""
+    its checkpoints offloaded (`offloader`, or None), the linears that train beside their frozen
+    weights quantized (lora.quantize: QLoRA, or block-sparse over a quantized base) and
+    LoRA-wrapped or given trainable blocks (sparse.*), in that order."""
     import torch
 
     r = plan.resolved
@@ -30,7 +32,7 @@ def build(cfg: Config, plan: Plan, ds: dict):
         # deepspeed.zero.Init: each rank only ever holds its shard.
         from transformers.integrations import HfDeepSpeedConfig
         keep = HfDeepSpeedConfig(ds)
-    if cfg.lora.quantize != "none" and cfg.model.source == "random":
+    if qlora.quantized(cfg) and cfg.model.source == "random":
         model = _random_init_for_quantizing(cfg, plan, r, dtype)
     else:
         model = build_model(cfg.model, r.attention.value, dtype)
@@ -44,8 +46,8 @@ def build(cfg: Config, plan: Plan, ds: dict):
     if r.checkpointing.value == "cpu_offload":
         offloader = patch.offload_checkpoints(model, cfg.checkpointing.gpu_layers,
                                               cfg.checkpointing.prefetch)
-    if cfg.lora.quantize != "none":
-        quantize_linears(model, cfg.lora.target_modules, cfg.lora.quantize, dtype, _device(r))
+    if qlora.quantized(cfg):  # under LoRA's adapters (QLoRA) or the sparse blocks
+        quantize_linears(model, qlora.targets(cfg), cfg.lora.quantize, dtype, _device(r))
         if r.device.value == "cuda":  # a random init on the GPU: its full-precision peak is gone
             torch.cuda.reset_peak_memory_stats()
     if cfg.lora.rank > 0:

@@ -13,7 +13,10 @@ state dict), so no GPU ever holds the whole model. With LoRA, `output.export_lor
 longft_export.json records, for a LoRA export, the base the adapter was trained on (`base_record`):
 with QLoRA that is the quantized base, which `longft generate` rebuilds before applying the adapter.
 With block-sparse finetuning (sparse.blocks) the trained blocks are added into their weights
-(model/block_sparse.merged_state_dict): a plain model, loaded like a full finetune's.
+(model/block_sparse.merged_state_dict): a plain model, loaded like a full finetune's. Over a
+quantized base (lora.quantize) the blocks are added into the de-quantized weights and the model is
+stored in fp32, as QLoRA's merge is (`sparse_merged_state_dict`), and longft_export.json records
+the base it was trained on (`base_record`).
 export/ is written into a temporary folder beside it and swapped in only when whole (atomic.directory);
 it is a persistent DVC output, so a run that is refused (a typo in params.yaml) or fails (a full
 disk: WriteError, naming the folder) keeps the previous model and leaves no partial folder.
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from longft import atomic
 from longft.compat import deepspeed as compat_deepspeed
+from longft.config import qlora
 from longft.config.params import Config
 from longft.errors import UserError
 
@@ -99,13 +103,35 @@ def merged_state_dict(model, sd: dict, quantize: str) -> dict:
     return {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
 
 
+def sparse_merged_state_dict(model, sd: dict, quantize: str) -> dict:
+    """The block-sparse model's weights with the blocks merged (model/block_sparse.merged_state_dict)
+    from its state dict `sd`. Over a quantized base: W_dq + D, the base de-quantized exactly as
+    training's forward saw it, summed and stored in fp32, every tensor, for QLoRA's reason
+    (`merged_state_dict`): the blocks' update, a fraction of a percent of a weight, would mostly
+    round away in bf16."""
+    from longft.model import block_sparse
+
+    if quantize == "none":
+        return block_sparse.merged_state_dict(sd)
+    import torch
+
+    from longft.model.quantize import dequantized_state_dict
+
+    full = dequantized_state_dict(model, sd, torch.float32)
+    merged = block_sparse.merged_state_dict(full)
+    return {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
+
+
 def base_record(cfg: Config, dtype) -> dict:
-    """Which base a LoRA adapter was trained on, for longft_export.json: the model, and with QLoRA
-    the quantization (lora.quantize) of its target modules in the training dtype, which `longft
-    generate` applies before the adapter. An adapter of a QLoRA run applied to the unquantized
-    base computes something else than the run trained."""
-    return {"model": cfg.model.name, "source": cfg.model.source, "quantize": cfg.lora.quantize,
-            "target_modules": list(cfg.lora.target_modules),
+    """Which base a LoRA adapter or sparse blocks were trained on, for longft_export.json: the
+    model, and over a quantized base the quantization (lora.quantize) of the quantized modules
+    (config/qlora.targets) in the training dtype, which `longft generate` applies before a LoRA
+    adapter. An adapter of a QLoRA run applied to the unquantized base computes something else
+    than the run trained; a block-sparse export holds its de-quantized base merged."""
+    quantized = qlora.quantized(cfg)
+    return {"model": cfg.model.name, "source": cfg.model.source,
+            "quantize": cfg.lora.quantize if quantized else "none",
+            "target_modules": list(qlora.targets(cfg) if quantized else cfg.lora.target_modules),
             "dtype": str(dtype).removeprefix("torch.")}
 
 
@@ -146,9 +172,11 @@ def _write(engine, cfg: Config, sd: dict, tmp: Path, step: int) -> None:
             _set_config_dtype(tmp / "config.json", "float32")
         kind = "lora_merged"
     elif cfg.sparse.blocks:  # block-sparse: the blocks merged into the weights, a plain model
-        from longft.model import block_sparse
-        engine.module.save_pretrained(tmp, state_dict=block_sparse.merged_state_dict(sd),
-                                      safe_serialization=True)
+        engine.module.save_pretrained(
+            tmp, state_dict=sparse_merged_state_dict(engine.module, sd, cfg.lora.quantize),
+            safe_serialization=True)
+        if qlora.quantized(cfg):  # fp32 weights: from_pretrained must not round them to bf16
+            _set_config_dtype(tmp / "config.json", "float32")
         kind = "block_sparse_merged"
     else:
         engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
@@ -157,7 +185,8 @@ def _write(engine, cfg: Config, sd: dict, tmp: Path, step: int) -> None:
     atomic.write_json(tmp / "longft_export.json",
                       {"model": cfg.model.name, "source": cfg.model.source, "steps": step,
                        "lora_rank": cfg.lora.rank, "quantize": cfg.lora.quantize, "kind": kind,
-                       **({"base": base_record(cfg, dtype)} if cfg.lora.rank else {})})
+                       **({"base": base_record(cfg, dtype)}
+                          if cfg.lora.rank or qlora.quantized(cfg) else {})})
 
 
 def _set_config_dtype(path: Path, dtype: str) -> None:

@@ -170,7 +170,8 @@ def longest_contexts(arch: dict, base: Setup, ask: Ask) -> list[tuple[Tuning, in
 def alternatives(arch: dict, base: Setup, ask: Ask) -> list[Alternative]:
     """The smallest changes that make the asked run (`base` at its length, trained as the first of
     ask.tunings) fit, smallest first: bf16 optimizer states and 8-bit optimizer states (still all
-    parameters), NVMe for the optimizer states, LoRA, QLoRA, more GPUs, a shorter context. Each
+    parameters), NVMe for the optimizer states, LoRA, block-sparse (over a bf16 or an nf4 base),
+    QLoRA, more GPUs, a shorter context. Each
     with the fastest placement that fits, or None and why not. Changes the search already
     allowed are left out, and so are those about optimizer states for a LoRA run."""
     t = ask.tunings[0]
@@ -200,10 +201,13 @@ def alternatives(arch: dict, base: Setup, ask: Ask) -> list[Alternative]:
         add(f"LoRA r={r}", f"--lora {r}", best_at(arch, base, seq, ask, lora))
     if full and not t.sparse_blocks:
         sparse = sparse_like(arch, lora)
-        add(sparse.name,
-            f"-S sparse.blocks={sparse.sparse_blocks} -S sparse.block_size="
-            f"{sparse.sparse_block_size}", best_at(arch, base, seq, ask, sparse),
-            note=f"as many trained parameters as LoRA r={r} (sparse.*: docs/models-and-lora.md)")
+        flags = (f"-S sparse.blocks={sparse.sparse_blocks} -S sparse.block_size="
+                 f"{sparse.sparse_block_size}")
+        note = f"as many trained parameters as LoRA r={r} (sparse.*: docs/models-and-lora.md)"
+        add(sparse.name, flags, best_at(arch, base, seq, ask, sparse), note=note)
+        over_nf4 = dataclasses.replace(sparse, quantize="nf4")   # the base as QLoRA holds it
+        add(over_nf4.name, flags + " --quantize nf4", best_at(arch, base, seq, ask, over_nf4),
+            note=note + "; speed unmeasured (speed.DEQUANT_BYTES_PER_S)")
     if t.quantize == "none" and qlora not in searched:
         add(f"QLoRA nf4 r={r}", f"--lora {r} --quantize nf4",
             best_at(arch, base, seq, ask, qlora),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from longft.config import qlora
 from longft.estimate.quantized import quantized_weight_bytes
 from longft.estimate.types import DS_SUB_GROUP_SIZE, Setup
 from longft.model.architecture import attention_dims, is_lora_target
@@ -73,11 +74,13 @@ def trainable_numels(arch: dict, s: Setup) -> list[int]:
 
 
 def quantized_linears(arch: dict, s: Setup) -> list[tuple[int, int]]:
-    """(in_features, out_features) of every decoder linear QLoRA quantizes: the LoRA targets, as
-    model/quantize.py does (none without it)."""
-    if s.quantize == "none":
+    """(in_features, out_features) of every decoder linear a quantized base holds in bitsandbytes'
+    blocks: the LoRA targets (QLoRA) or the sparse targets (block-sparse), config/qlora.py's
+    quantized_targets, as model/quantize.py does (none without a quantized base)."""
+    if not qlora.quantized_base(s.lora_rank, s.quantize, s.sparse_blocks):
         return []
-    shapes = [io for name, io in _linear_shapes(dims(arch)).items() if is_lora_target(name, s.lora_targets)]
+    names = qlora.quantized_targets(s.lora_targets, s.sparse_blocks, s.sparse_targets)
+    shapes = [io for name, io in _linear_shapes(dims(arch)).items() if is_lora_target(name, names)]
     return shapes * dims(arch)["L"]
 
 

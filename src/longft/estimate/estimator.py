@@ -110,7 +110,7 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         tiled_mlp=r.tiled_mlp.value,
         tile_tokens=cfg.kernels.tiled_mlp_tokens,
         expandable_segments=cfg.hardware.expandable_segments,
-        zero_stage=qlora.stage(cfg.zero.stage, cfg.lora.rank, cfg.lora.quantize),
+        zero_stage=qlora.stage(cfg.zero.stage, cfg.lora.rank, cfg.lora.quantize, cfg.sparse.blocks),
         offload_optimizer=cfg.zero.offload_optimizer != "none",
         nvme=cfg.zero.offload_optimizer == "nvme", offload_ratio=cfg.zero.offload_ratio,
         optimizer_states=cfg.zero.optimizer_states, sub_group_size=cfg.zero.sub_group_size,
@@ -125,7 +125,7 @@ def setup_from_config(cfg, resolved: Resolved | Mapping, world_size: int | None 
         block_mask=r.packed_attention.value == "mask" and cfg.data.pack and cfg.data.source != "random",
         flash_attn_4="flash_attn_4" in (r.packed_attention.value, r.attention.value),
         lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.target_modules),
-        quantize=cfg.lora.quantize if cfg.lora.rank > 0 else "none", optimizer=cfg.optim.name,
+        quantize=cfg.lora.quantize if qlora.quantized(cfg) else "none", optimizer=cfg.optim.name,
         sparse_blocks=cfg.sparse.blocks, sparse_block_size=cfg.sparse.block_size,
         sparse_targets=tuple(cfg.sparse.target_modules) if cfg.sparse.blocks else (),
         sequence_parallel=cfg.hardware.sequence_parallel)

@@ -183,8 +183,9 @@ def gpu_state_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
 
 
 def zero2_weight_items(s: Setup, n: Numbers) -> list[Item]:
-    """ZeRO-2: every rank holds the whole model; with QLoRA the targeted decoder linears in
-    bitsandbytes' blocks (and one dequantized at a time), the rest in the training dtype."""
+    """ZeRO-2: every rank holds the whole model; over a quantized base (QLoRA, block-sparse over
+    nf4 / int8) the targeted decoder linears in bitsandbytes' blocks (and one dequantized at a
+    time), the rest in the training dtype."""
     w, out = n.w, []
     if n.Pq:
         q = s.quantize
@@ -202,7 +203,8 @@ def zero2_weight_items(s: Setup, n: Numbers) -> list[Item]:
                         f"{w} B x {n.P:,} params on every rank"))
     if n.adapters:
         out.append(Item(f"weights: {_trained(s)}", "gpu", w * n.adapters, ALL,
-                        f"{w} B x {n.adapters:,} adapter params on every rank"))
+                        f"{w} B x {n.adapters:,} {'block' if s.sparse_blocks else 'adapter'} "
+                        "params on every rank"))
     return out
 
 

@@ -141,8 +141,9 @@ def keep_on_gpu(arch: dict, s: Setup, gpu_mem_gib: float, host_mem_gib: float | 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """What trains: all parameters (lora_rank 0), LoRA adapters, or LoRA on quantized base weights
-    (QLoRA: quantize nf4 / int8, on ZeRO-2), and the optimizer (adamw, or bitsandbytes' 8-bit
+    """What trains: all parameters (lora_rank 0), LoRA adapters, LoRA on quantized base weights
+    (QLoRA: quantize nf4 / int8, on ZeRO-2), or sparse blocks (sparse_blocks, over a bf16 base or,
+    with quantize, a quantized one on ZeRO-2), and the optimizer (adamw, or bitsandbytes' 8-bit
     AdamW with its states on the GPU)."""
     lora_rank: int = 0
     quantize: str = "none"
@@ -152,20 +153,23 @@ class Tuning:
 
     @classmethod
     def of(cls, s: Setup) -> Tuning:
-        return cls(s.lora_rank, s.quantize if s.lora_rank else "none", s.optimizer,
-                   s.sparse_blocks, s.sparse_block_size)
+        from longft.config import qlora
+
+        q = s.quantize if qlora.quantized_base(s.lora_rank, s.quantize, s.sparse_blocks) else "none"
+        return cls(s.lora_rank, q, s.optimizer, s.sparse_blocks, s.sparse_block_size)
 
     @property
     def name(self) -> str:
         kind = ("full-parameter" if not self.lora_rank else f"LoRA r={self.lora_rank}"
                 if self.quantize == "none" else f"QLoRA {self.quantize} r={self.lora_rank}")
         if self.sparse_blocks:
-            kind = f"block-sparse {self.sparse_blocks} x {self.sparse_block_size}^2"
+            kind = f"block-sparse {self.sparse_blocks} x {self.sparse_block_size}^2" + (
+                "" if self.quantize == "none" else f" over {self.quantize}")
         return kind + ("" if self.optimizer == "adamw" else f", {self.optimizer}")
 
     def apply(self, s: Setup) -> Setup:
-        """`s` training this way (ZeRO-2 for QLoRA; LoRA on the seven decoder linears where `s`
-        names no targets)."""
+        """`s` training this way (ZeRO-2 over a quantized base; LoRA or blocks on the seven decoder
+        linears where `s` names no targets)."""
         from longft.config import qlora
         from longft.estimate.quantized import QUANTIZED_LINEARS
 
@@ -173,14 +177,16 @@ class Tuning:
         sparse = s.sparse_targets or (QUANTIZED_LINEARS if self.sparse_blocks else ())
         return dataclasses.replace(
             s, lora_rank=self.lora_rank, quantize=self.quantize, optimizer=self.optimizer,
-            lora_targets=targets, zero_stage=qlora.stage(3, self.lora_rank, self.quantize),
+            lora_targets=targets,
+            zero_stage=qlora.stage(3, self.lora_rank, self.quantize, self.sparse_blocks),
             sparse_blocks=self.sparse_blocks, sparse_block_size=self.sparse_block_size,
             sparse_targets=sparse if self.sparse_blocks else ())
 
 
 def placements(t: Tuning, disk_gib: float | None) -> list[str]:
-    """The OFFLOADS a tuning can use: QLoRA runs on ZeRO-2 (no parameter offload, no NVMe, no
-    offload_ratio); 8-bit optimizer states live on the GPU (no optimizer offload)."""
+    """The OFFLOADS a tuning can use: a quantized base (QLoRA, block-sparse over nf4 / int8) runs
+    on ZeRO-2 (no parameter offload, no NVMe, no offload_ratio); 8-bit optimizer states live on
+    the GPU (no optimizer offload)."""
     names = [k for k in OFFLOADS if k != "opt(nvme)" or disk_gib is not None]
     if t.quantize != "none":
         names = [k for k in names if k in ("none", "opt")]
@@ -384,7 +390,7 @@ def overlay(c: Candidate, gpus: int, model: dict | None = None,
                  # would be refused where it cannot apply); deepspeed where the params chose it
                  "copy_back": "auto" if s.copy_back == copy_back_for(s) else s.copy_back,
                  **({"nvme_path": nvme_path} if s.nvme else {"nvme_path": None})},
-        "lora": {"rank": s.lora_rank, "quantize": s.quantize if s.lora_rank else "none"},
+        "lora": {"rank": s.lora_rank, "quantize": Tuning.of(s).quantize},
         **({"sparse": {"blocks": s.sparse_blocks, "block_size": s.sparse_block_size}}
            if s.sparse_blocks else {}),
         "optim": {"name": s.optimizer},

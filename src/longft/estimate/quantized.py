@@ -80,4 +80,5 @@ def adam8_state_bytes(numel: int) -> int:
 
 
 qlora_zero_stage = qlora.stage
-"""The ZeRO stage a run trains on (QLoRA: ZeRO-2): config/qlora.py's rule, not a copy of it."""
+"""The ZeRO stage a run trains on (a quantized base, QLoRA or block-sparse: ZeRO-2): config/qlora.py's
+rule, not a copy of it."""

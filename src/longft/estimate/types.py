@@ -113,7 +113,7 @@ class Setup:
     flash_attn_4: bool = False       # flash-attn-4's kernels run (its host runtime)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
-    quantize: str = "none"           # LoRA's frozen base linears: none | nf4 | int8 (bitsandbytes)
+    quantize: str = "none"           # the frozen base linears under LoRA or blocks: none | nf4 | int8
     sparse_blocks: int = 0           # block-sparse finetuning: blocks trained per target linear (0 = off)
     sparse_block_size: int = 64      # rows and columns of a block
     sparse_targets: tuple[str, ...] = ()  # the linears that train blocks (sparse.target_modules)
@@ -169,8 +169,11 @@ class Setup:
             p.append(f"copy_back {self.copy_back!r} is not chunked or deepspeed")
         if self.quantize not in ("none", "nf4", "int8"):
             p.append(f"quantize {self.quantize!r} is not none, nf4 or int8")
-        elif self.quantize != "none" and (self.lora_rank <= 0 or self.zero_stage != qlora.QLORA_STAGE):
-            p.append(f"quantize (QLoRA) needs lora_rank > 0 and zero_stage {qlora.QLORA_STAGE}")
+        elif self.quantize != "none" and (
+                not qlora.quantized_base(self.lora_rank, self.quantize, self.sparse_blocks)
+                or self.zero_stage != qlora.QLORA_STAGE):
+            p.append(f"quantize (a quantized base) needs lora_rank > 0 or sparse_blocks > 0, and "
+                     f"zero_stage {qlora.QLORA_STAGE}")
         if self.sparse_blocks and (self.lora_rank or self.sparse_block_size < 1):
             p.append("sparse_blocks needs lora_rank 0 and sparse_block_size >= 1")
         if self.optimizer not in ("adamw", "adamw_8bit", "paged_adamw_8bit"):

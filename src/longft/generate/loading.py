@@ -5,6 +5,8 @@ that `from_pretrained` loads) or "lora_adapter" (a peft adapter, loaded onto the
 adapter_config.json names: the model.name of the run). A QLoRA run's adapter was trained on the
 quantized base (longft_export.json `base`, or `quantize` in exports written before it): that base
 is quantized the same way (model/quantize.py) before the adapter is applied, as training saw it.
+"block_sparse_merged" holds the trained blocks added into the weights; over a quantized base
+(`base.quantize`) into the de-quantized weights, in fp32: a plain model, loaded as stored.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class Export:
     info: dict
     """longft_export.json: model, source, steps, lora_rank, kind (and base, for an adapter)."""
     base: str | None = None
-    """For an adapter: the base it was applied to, in words (printed by `longft generate`)."""
+    """For an adapter: the base it was applied to; for a merge over a quantized base (QLoRA or
+    block-sparse): that base; in words (printed by `longft generate`)."""
 
 
 KINDS = ("full", "lora_merged", "lora_adapter", "block_sparse_merged")
@@ -66,7 +69,8 @@ def _weights(export_dir: Path, info: dict, device: str):
     try:
         if info["kind"] == "lora_adapter":
             return _adapter_on_its_base(export_dir, info, device)
-        return AutoModelForCausalLM.from_pretrained(str(export_dir)), None
+        # as stored: fp32 where the export merged into a de-quantized base (config.json says so)
+        return AutoModelForCausalLM.from_pretrained(str(export_dir)), _merged_base(info)
     except (SafetensorError, OSError, EOFError) as e:
         files = ", ".join(sorted(p.name for p in export_dir.glob("*.safetensors"))) or "none"
         raise ExportMissingError(
@@ -101,6 +105,17 @@ def expected_base(info: dict) -> dict:
         return base
     return {"model": info.get("model"), "quantize": info.get("quantize", "none"),
             "target_modules": None, "dtype": "bfloat16"}
+
+
+def _merged_base(info: dict) -> str | None:
+    """A merged export's quantized base, in words (None for any other export)."""
+    base = info.get("base")
+    q = base.get("quantize") if isinstance(base, dict) else None
+    if info["kind"] == "lora_adapter" or q in (None, "none"):
+        return None
+    what = "blocks" if info["kind"] == "block_sparse_merged" else "adapter"
+    return (f"{what} merged into {base.get('model')} de-quantized from {q} (the base it was "
+            "trained on), in fp32")
 
 
 def _adapter_on_its_base(export_dir: Path, info: dict, device: str):

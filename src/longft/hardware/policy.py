@@ -303,7 +303,7 @@ def resolve_copy_back(cfg: Config, device: str, precision: str) -> tuple[Choice,
             return Choice("chunked", "set in params"), [
                 f"zero.copy_back: chunked converts fp32 master weights on the host into 16-bit "
                 f"partitions on a GPU, and needs {', '.join(why_not)}"
-                + (" (QLoRA runs on ZeRO-2)" if qlora.quantized(cfg) else "")
+                + (" (a quantized base runs on ZeRO-2)" if qlora.quantized(cfg) else "")
                 + ". Set zero.copy_back: auto"]
         return Choice("chunked", "set in params: " + CHUNKED_WHY), []
     if z.copy_back == "deepspeed":
@@ -383,13 +383,13 @@ def _bitsandbytes_missing(what: str) -> list[str]:
 
 
 def resolve_quantize(cfg: Config, precision: str) -> tuple[Choice, list[str]]:
-    """lora.quantize: what the frozen base weights are stored in, and on which ZeRO stage."""
+    """lora.quantize: what the frozen base is stored in, under what, and on which ZeRO stage."""
     q = cfg.lora.quantize
     if not qlora.quantized(cfg):
         return Choice("none", "base weights in the training dtype"), []
-    what = {"nf4": "4-bit NF4 with double quantization (QLoRA)", "int8": "8-bit (LLM.int8)"}[q]
-    return (Choice(q, f"set in params: base weights in {what}, computing in {precision}; "
-                      f"{qlora.STAGE_REASON}"),
+    what = {"nf4": "4-bit NF4 with double quantization", "int8": "8-bit (LLM.int8)"}[q]
+    return (Choice(q, f"set in params: base weights in {what} under {qlora.trained_beside(cfg)}, "
+                      f"computing in {precision}; {qlora.STAGE_REASON}"),
             _bitsandbytes_missing(f"lora.quantize: {q}"))
 
 

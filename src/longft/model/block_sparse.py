@@ -9,11 +9,15 @@ building D: `BlockDelta` gathers the input's column blocks, multiplies them by t
 the results into the output's row blocks. Its backward computes exactly the gradients of the k
 blocks (block (r, c) of dy^T x) and of the input, and saves nothing but x (which the linear itself
 keeps for its own backward). So the optimizer owns k x b^2 parameters per matrix and holds states
-for them alone; W stays frozen in the training dtype.
+for them alone; W stays frozen in the training dtype, or quantized: over a quantized base
+(lora.quantize) the linear is bitsandbytes' Linear4bit / Linear8bitLt (model/quantize.py, before
+`attach`), and the hook adds x @ D^T after its quantized matmul. Nothing here reads W.
 
 During the warm-up (`probing`) the hook instead records, for every block of W, the summed |dy^T x|
 of its entries: the gradient W would get if it trained (`Probe`), without storing it as a gradient.
-`merged_state_dict` folds the blocks into W for the export: W + D, a plain Hugging Face state dict.
+It is computed from the linear's input x and output gradient dy alone, so a quantized W, which has
+no gradient, is probed the same way. `merged_state_dict` folds the blocks into W for the export:
+W + D, a plain Hugging Face state dict (over a quantized base engine/export.py de-quantizes W first).
 """
 
 from __future__ import annotations
@@ -112,7 +116,8 @@ def _hook(module, inputs, output):
 
 
 def targets(model, names: tuple[str, ...]) -> list[tuple[str, object]]:
-    """(name, module) of every nn.Linear whose last name part is in `names`, in model order."""
+    """(name, module) of every nn.Linear whose last name part is in `names`, in model order
+    (bitsandbytes' quantized linears are nn.Linear subclasses: they are found too)."""
     import torch
 
     return [(n, m) for n, m in model.named_modules()
