@@ -135,6 +135,24 @@ def test_cpu_dequantization_is_exact_for_rows_that_are_not_whole_blocks():
     assert ((got.float() - w.float()).norm() / w.float().norm()) < 0.12
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_cpu_4bit_forward_uses_the_exact_weight_on_rows_that_are_not_whole_blocks(grad):
+    """bitsandbytes 0.50's 4-bit forward (its gemm_4bit op, with and without grad) dequantized the
+    2-D weight row by row on the CPU: a 176-wide layer's output was 1.9 % off the exact weight its
+    backward and the merged export use. longft's CPU kernel makes them one weight."""
+    from longft.model.quantize import dequantized_weight
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(176, 64), torch.nn.Linear(128, 64))
+    quantize_linears(m, ("0", "1"), "nf4", torch.float32, "cpu")
+    for layer, width in zip(m, (176, 128)):
+        x = torch.randn(3, width, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            y = layer(x)
+        want = torch.nn.functional.linear(x, dequantized_weight(layer, torch.float32), layer.bias)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+
+
 def test_an_eval_forward_without_grad_matches_the_training_forward():
     """The evaluator's forward (eval mode, no grad): on an AVX512-BF16 CPU bitsandbytes repacked the
     weights for its gemv, which failed on the tiny model's widths; longft keeps the dequantize path."""

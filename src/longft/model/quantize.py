@@ -29,6 +29,7 @@ def _bnb():
         raise UserError(f"lora.quantize needs bitsandbytes ({e}); pip install 'longft[qlora]' or "
                         "set lora.quantize: none") from None
     _dequantize_flat_on_cpu(bitsandbytes.functional)
+    bnb_compat.register_cpu_gemm_4bit(_gemm_4bit_flat_on_cpu)
     return bitsandbytes
 
 
@@ -59,6 +60,26 @@ def _dequantize_flat_on_cpu(F) -> None:
         return dequantize_4bit
 
     bnb_compat.replace_dequantize_4bit(F, flat_on_cpu)
+
+
+def _gemm_4bit_flat_on_cpu(A, B, shapeB, absmax, blocksize: int, quant_type: str, bias=None,
+                           absmax_8bit=None, absmax_code=None, absmax_offset=None):
+    """bitsandbytes::gemm_4bit on the CPU: x @ W^T + bias with W dequantized through the flat shape.
+
+    bitsandbytes 0.50's own kernel (device-independent) dequantizes W with its 2-D shape, so on the
+    CPU the row-by-row blocks above make the 4-bit layers' forward (training and evaluation) differ
+    from the exact weight their backward and every merged export use (1.9 % of the output of a
+    176-wide layer). This is that kernel with the flat shape; GPUs keep bitsandbytes' own."""
+    import math
+
+    import torch
+
+    ops = torch.ops.bitsandbytes
+    if absmax_8bit is not None:   # nested statistics: absmax in 8 bits, blocks of 256
+        absmax = ops.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256,
+                                                  torch.float32) + absmax_offset
+    w = ops.dequantize_4bit.default(B, absmax, blocksize, quant_type, [math.prod(shapeB)], A.dtype)
+    return torch.nn.functional.linear(A, w.reshape(shapeB), bias)
 
 
 def targets(model, names: tuple[str, ...]) -> list[tuple[str, object]]:
