@@ -10,6 +10,7 @@ import yaml
 
 from longft.cli.estimate import main
 from longft.cli.placement import tunings
+from longft.config.checks import problems
 from longft.config.params import Config, from_dict, merge, to_dict
 from longft.estimate.estimator import GIB, Setup, estimate, fits, setup_from_config
 from longft.estimate.placement import (
@@ -318,3 +319,23 @@ def test_placement_refuses_what_it_cannot_search(tmp_path, monkeypatch, on, caps
     assert main("placement", ["--gpu-mem", "24", "--host-mem", "60", "--seq", "4096", "--model",
                          "llama3.2-1b", "--quantize", "nf4"]) == 2
     assert "add --lora RANK or --lora any" in capsys.readouterr().err
+
+
+def test_lora_planned_over_params_that_train_blocks_turns_the_blocks_off(tmp_path, monkeypatch,
+                                                                         on, capsys):
+    """The overlay is merged onto the user's params: where they train sparse blocks and --lora 16
+    plans LoRA, it sets sparse.blocks 0, so the merged params train LoRA (the two are refused
+    together), and a block-sparse plan keeps its blocks."""
+    monkeypatch.chdir(tmp_path)
+    on(CPU)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"sparse": {"blocks": 25, "block_size": 64}}))
+    for lora, blocks in (("16", 0), (None, 25)):
+        out = tmp_path / f"ov-{lora}.yaml"
+        argv = ["--gpu-mem", "80", "--host-mem", "120", "--model", "llama3.2-1b", "--seq", "16384",
+                "--params", str(params), "--out", str(out)] + (["--lora", lora] if lora else [])
+        assert main("placement", argv) == 0, capsys.readouterr().out
+        ov = yaml.safe_load(out.read_text())
+        assert ov["sparse"]["blocks"] == blocks and ov["lora"]["rank"] == (16 if lora else 0)
+        merged = from_dict(merge(yaml.safe_load(params.read_text()), ov))
+        assert not problems(merged), problems(merged)

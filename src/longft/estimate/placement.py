@@ -369,7 +369,8 @@ def overlay(c: Candidate, gpus: int, model: dict | None = None,
     """The params overlay for a candidate (merge onto the base params). It sets what the plan
     chose, and leaves the rest of the base params alone: `model` is written only when given (the
     plan was for another model than the base params' one), data only by its length; lora.rank,
-    lora.quantize, optim.name and zero.copy_back always, so that the merge trains what was planned."""
+    lora.quantize, sparse.blocks, optim.name and zero.copy_back always, so that the merge trains
+    what was planned (LoRA planned over params that train sparse blocks sets the blocks to 0)."""
     s = c.setup
     opt, param = OFFLOADS[c.offload]
     out = {"model": model} if model else {}
@@ -391,8 +392,8 @@ def overlay(c: Candidate, gpus: int, model: dict | None = None,
                  "copy_back": "auto" if s.copy_back == copy_back_for(s) else s.copy_back,
                  **({"nvme_path": nvme_path} if s.nvme else {"nvme_path": None})},
         "lora": {"rank": s.lora_rank, "quantize": Tuning.of(s).quantize},
-        **({"sparse": {"blocks": s.sparse_blocks, "block_size": s.sparse_block_size}}
-           if s.sparse_blocks else {}),
+        "sparse": {"blocks": s.sparse_blocks,
+                   **({"block_size": s.sparse_block_size} if s.sparse_blocks else {})},
         "optim": {"name": s.optimizer},
         "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},
     }
