@@ -45,7 +45,7 @@ def filesystem(path: Path) -> dict:
             if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
                 best = (mnt, kind, dev)
     except OSError:
-        shutil.rmtree(folder, ignore_errors=True)
+        pass
     du = shutil.disk_usage(path)
     return {"path": str(path), "mount": best[0], "fstype": best[1], "device": best[2],
             "total_gib": round(du.total / GIB, 2), "free_gib": round(du.free / GIB, 2)}
