@@ -38,6 +38,8 @@ case $cmd in
     export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src
     echo "== libaio ($(date +%T))"
     ldconfig -p 2>/dev/null | grep libaio; ls /usr/include/libaio.h 2>&1
+    # DeepSpeed's libaio check imports distutils, which Python 3.12 has only through setuptools
+    python3 -c "import distutils.ccompiler, setuptools; print('distutils from setuptools', setuptools.__version__)"
     source bench/nvme/aio_env.sh .aio
     nvcc=$(command -v nvcc) && stubs=$(dirname "$(dirname "$nvcc")")/lib64/stubs \
       && [ -d "$stubs" ] && export LIBRARY_PATH=${LIBRARY_PATH:+$LIBRARY_PATH:}$stubs  # -lcuda at link time
