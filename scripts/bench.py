@@ -1,6 +1,8 @@
 """Run benchmark rows: each overlay YAML is merged onto params.yaml (or --base) and run through the
 same four stages as `dvc repro` (prepare -> patch -> train -> metrics), in its own work folder; the
-result goes to bench/results/<name>.json with the full params, the commit and the raw metrics.
+result goes to bench/results/<name>.json with the full params, the commit and the raw metrics
+(with zero.offload_optimizer nvme, train.peak_disk: the swap files' peak bytes against the
+estimator's disk item, and the disk's free space at the start, its least and at the end).
 
     python scripts/bench.py bench/configs/h200-1b-16k-gpu.yaml [more.yaml ...] \
         [--commit SHA] [--work /tmp/longft-bench] [--results bench/results] [--base params.yaml]
@@ -92,13 +94,15 @@ def main() -> int:
         except ConfigError as e:
             print(f"[bench] {o}: {e}", file=sys.stderr)
             rows.append({"name": o.stem, "status": f"bad params: {e}"})
-    print("\n| row | status | tokens/s | MFU | peak VRAM alloc GiB | peak DRAM GiB |")
-    print("|---|---|---|---|---|---|")
+    print("\n| row | status | tokens/s | MFU | peak VRAM alloc GiB | peak DRAM GiB | NVMe swap GiB (predicted) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         t = r.get("train") or {}
+        disk = t.get("peak_disk")  # offload_optimizer nvme only
+        swap = f"{disk['swap_gib']} ({disk['predicted_gib']})" if disk else ""
         print(f"| {r['name']} | {r['status'][:60]} | {t.get('tokens_per_s')} | {t.get('mfu')} | "
               f"{(t.get('peak_vram') or {}).get('max_allocated_gib')} | "
-              f"{(t.get('peak_dram') or {}).get('rss_tree_gib')} |")
+              f"{(t.get('peak_dram') or {}).get('rss_tree_gib')} | {swap} |")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

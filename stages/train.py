@@ -6,7 +6,8 @@ host memory of the whole process tree.
         [--checkpoints checkpoints] [--export export] [--metrics metrics]
 
 Writes runs/train/rank{r}.jsonl (per-step measurements), runs/train/memory.csv and
-runs/train/monitor.json (host/GPU memory timeline and peaks), checkpoints/ when
+runs/train/monitor.json (host/GPU memory timeline and peaks; with offload_optimizer nvme also
+the swap directory's peak bytes and the disk's free space), checkpoints/ when
 output.save_checkpoint is true, and export/ (a Hugging Face checkpoint) when output.export is true.
 Checkpoints of another configuration are moved to checkpoints/other/<fingerprint>/ (with their
 runs/train), never overwritten; a run that ends before its first step leaves runs/train and
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from longft.config.params import ConfigError, load
 from longft.config.plan import Plan
+from longft.engine.ds_config import nvme_swap_root
 from longft.engine.trajectory import fingerprint, trajectory
 from longft.errors import UserError
 from longft.run.earlier import Earlier
@@ -77,6 +79,7 @@ def main() -> int:
         port, why = master_port(cfg)  # a pinned port that is taken: LaunchError, exit 2
         print(f"train: master port {port} ({why})")
         cmd = command(cfg, device, worker, port)
+        swap = nvme_swap_root(json.loads(Path(a.ds_config).read_text()))  # offload_optimizer nvme
         # Before any rank starts and before anything is deleted: can the outputs be written, does
         # the host RAM suffice?
         # (checkpoints only when this run writes them; export/ is replaced or emptied either way)
@@ -106,7 +109,8 @@ def main() -> int:
     print("train:", " ".join(cmd), flush=True)
     env = environment(device, expandable_segments=cfg.hardware.expandable_segments)
     code = launch_ranks(cmd, env, run_dir, port if device == "cpu" else None,
-                        auto_port=cfg.hardware.master_port == "auto")  # taken meanwhile: a fresh one
+                        auto_port=cfg.hardware.master_port == "auto",  # taken meanwhile: a fresh one
+                        disk_dir=Path(swap) if swap else None)
     if code == 0 and not cfg.output.export:
         # export/ persists across runs (dvc.yaml) so a refused or failed run keeps the last model;
         # a finished run without an export must not leave an older run's model there as its own

@@ -55,16 +55,24 @@ def nvme_dir(cfg: Config) -> str:
     return os.path.join(cfg.zero.nvme_path, SWAP_DIR)
 
 
+def nvme_swap_root(ds: dict) -> str | None:
+    """The swap directory a built config names (nvme_dir: every run's run-<key> lies below it), or
+    None without offload_optimizer nvme. The train stage measures the disk there."""
+    off = ds.get("zero_optimization", {}).get("offload_optimizer", {})
+    return off["nvme_path"] if off.get("device") == "nvme" else None
+
+
 def nvme_run_dir(ds: dict, run_key: str) -> str | None:
     """offload_optimizer nvme: point this run's DeepSpeed config at a swap directory of its own,
     run-<run_key> below nvme_dir (the ranks of one run share a key: the rendezvous port), so two
     runs on one nvme_path never share swap files. Returns it; None without NVMe."""
     import os
 
-    off = ds.get("zero_optimization", {}).get("offload_optimizer", {})
-    if off.get("device") != "nvme":
+    root = nvme_swap_root(ds)
+    if root is None:
         return None
-    off["nvme_path"] = os.path.join(off["nvme_path"], f"run-{run_key}")
+    off = ds["zero_optimization"]["offload_optimizer"]
+    off["nvme_path"] = os.path.join(root, f"run-{run_key}")
     return off["nvme_path"]
 
 

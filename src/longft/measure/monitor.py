@@ -10,6 +10,8 @@
   utilisation %. Without a driver, NVML or GPUs these columns are simply absent. summary()'s
   gpu_util_mean_pct averages every sample (set-up included); the metrics stage reports the mean
   over the timed steps instead (`util_over_windows`).
+- with disk_dir (offload_optimizer nvme: the swap directory), the bytes of the files under it and
+  the free space of its disk, every 0.5 s (measure/disk.py); summary() only, not the CSV.
 
     with HostSampler(csv_path=Path("runs/train/memory.csv")) as s:
         subprocess.run(cmd)
@@ -30,6 +32,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import psutil
+
+from longft.measure.disk import DiskWatch
 
 log = logging.getLogger(__name__)
 
@@ -168,17 +172,19 @@ class HostSampler:
     """Background sampler of process-tree RSS, system used memory and GPU memory/utilisation.
 
     root_pid: the tree to sample (default: this process). csv_path: timeline file (None: no file).
-    hz: samples per second. gpus: sample GPUs through NVML when it is available.
+    hz: samples per second. gpus: sample GPUs through NVML when it is available. disk_dir: also
+    watch the bytes under this directory and its disk's free space (DiskWatch).
     """
 
     def __init__(self, root_pid: int | None = None, csv_path: Path | None = None,
-                 hz: float = 20.0, gpus: bool = True):
+                 hz: float = 20.0, gpus: bool = True, disk_dir: Path | None = None):
         if not hz > 0:
             raise ValueError(f"hz must be positive, got {hz}")
         self.root_pid = os.getpid() if root_pid is None else int(root_pid)
         self.csv_path = Path(csv_path) if csv_path is not None else None
         self.hz = float(hz)
         self.gpus = gpus
+        self._disk = DiskWatch(disk_dir) if disk_dir is not None else None
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -228,6 +234,8 @@ class HostSampler:
             self._writer.writerow(header)
             self._file.flush()
         self._baseline = sys_used_bytes()
+        if self._disk is not None:
+            self._disk.start()
         self._t_start = time.time()
         self._sample()  # one sample now: GPU baselines, and a summary even for a very short run
         self._thread = threading.Thread(target=self._run, name="longft-host-sampler", daemon=True)
@@ -241,6 +249,8 @@ class HostSampler:
         self._stop_event.set()
         self._thread.join()
         self._sample()
+        if self._disk is not None:
+            self._disk.stop()
         self._stopped = True
         self._t_end = time.time()
         if self._file is not None:
@@ -306,6 +316,8 @@ class HostSampler:
         rss = _rss_sum(self._tree())
         used = sys_used_bytes()
         gpu = self._gpu_values()
+        if self._disk is not None:
+            self._disk.sample()
         with self._lock:
             self._n += 1
             if self._t_first is None:
@@ -356,4 +368,5 @@ class HostSampler:
                 "gpu_util_mean_pct": [s / n if n else None
                                       for s, n in zip(self._util_sum, self._util_n)],
                 "gpus": list(self._inventory),
+                **(self._disk.summary() if self._disk is not None else {}),
             }

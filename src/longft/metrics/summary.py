@@ -49,6 +49,7 @@ from longft.estimate.estimator import compare
 from longft.estimate.flops import flops_per_token, mfu, peak_flops
 from longft.measure.monitor import util_over_windows
 from longft.metrics.eval import eval_metrics, eval_outputs, eval_records
+from longft.metrics.peak_disk import peak_disk
 from longft.metrics.plots import gib_timeline, memory_png, read_timeline, render_report, timeline_peaks
 from longft.metrics.rank_logs import RankLog, read_json, read_ranks
 
@@ -295,6 +296,7 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
     est = plan.memory_estimate.estimate if plan is not None else None
     if est is not None:
         train["memory_prediction"] = compare(est, train)  # predicted vs measured, relative error
+    train.update(peak_disk(mon, est))  # offload_optimizer nvme: the swap files and the disk
     return train, env, rows
 
 

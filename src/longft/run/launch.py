@@ -174,15 +174,16 @@ def _port_of(cmd: list[str]) -> int | None:
 
 
 def launch_ranks(cmd: list[str], env: dict, run_dir: Path, port: int | None = None,
-                 auto_port: bool = False) -> int:
+                 auto_port: bool = False, disk_dir: Path | None = None) -> int:
     """Run the launcher with the host-memory sampler; return its exit code. `port`: drop the
     CPU all-reduce buffers of that port before and after. When the ranks fail because their
     --master_port was taken after it was found free: auto_port (hardware.master_port auto)
     launches again on a fresh port (up to PORT_RETRIES times), else the exit status is 2 with
-    a message that says what to do."""
+    a message that says what to do. disk_dir: the NVMe swap directory, whose bytes and free
+    space the sampler watches too."""
     from longft.measure.monitor import HostSampler
 
-    sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv")
+    sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv", disk_dir=disk_dir)
     sampler.start()
     follow_parent()
     try:
