@@ -62,8 +62,7 @@ def _dequantize_flat_on_cpu(F) -> None:
     bnb_compat.replace_dequantize_4bit(F, flat_on_cpu)
 
 
-def _gemm_4bit_flat_on_cpu(A, B, shapeB, absmax, blocksize: int, quant_type: str, bias=None,
-                           absmax_8bit=None, absmax_code=None, absmax_offset=None):
+def _gemm_4bit_flat_on_cpu(A, B, shapeB, absmax, blocksize: int, quant_type: str, *optional):
     """bitsandbytes::gemm_4bit on the CPU: x @ W^T + bias with W dequantized through the flat shape.
 
     bitsandbytes 0.50's own kernel (device-independent) dequantizes W with its 2-D shape, so on the
@@ -74,6 +73,8 @@ def _gemm_4bit_flat_on_cpu(A, B, shapeB, absmax, blocksize: int, quant_type: str
 
     import torch
 
+    # the op's schema passes these by position: bias, absmax_8bit, absmax_code, absmax_offset
+    bias, absmax_8bit, absmax_code, absmax_offset = (*optional, None, None, None, None)[:4]
     ops = torch.ops.bitsandbytes
     if absmax_8bit is not None:   # nested statistics: absmax in 8 bits, blocks of 256
         absmax = ops.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256,
