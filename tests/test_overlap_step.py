@@ -26,7 +26,9 @@ def test_the_deferred_step_trains_deepspeeds_bits(tmp_path, offload_param, clipp
     """Parameters fetched (persistence 0), on the GPU's place or on the host, with an lr that
     moves every step and with and without clipping: each step returns with every sub-group
     pending, the next forward (with or without gradients) updates them as it fetches, and the
-    losses, the forwards between steps, the final lr and the weights are DeepSpeed's."""
+    losses, the forwards between steps, the final lr and the weights are DeepSpeed's, and so are
+    the calls of its sub-group loop (each sub-group prepared, stepped, copied back and released,
+    in order)."""
     kw = dict(clipping=clipping, offload_param=offload_param, persistence=0, schedule=True,
               evaluate=True)
     own = run_zero3(tmp_path, **kw)
@@ -37,16 +39,22 @@ def test_the_deferred_step_trains_deepspeeds_bits(tmp_path, offload_param, clipp
     assert len(set(own["losses"])) == 3 and own["evals"] != own["losses"]
     assert over["losses"] == own["losses"] and over["evals"] == own["evals"]
     assert over["lrs"] == own["lrs"] and over["bits"] == own["bits"]
+    assert len(own["calls"]) == 3 * groups * 4 and over["calls"] == own["calls"]
 
 
 @pytest.mark.slow
 def test_persistent_parameters_are_gathered_after_their_sub_group(tmp_path):
     """With DeepSpeed's default persistence every small parameter stays gathered and is never
     fetched: each is gathered again right after its sub-group's update, before the next forward
-    uses it, so the losses are still DeepSpeed's."""
+    uses it, so the losses are still DeepSpeed's. The step's start released them all
+    (`_partition_all_parameters`): left ungathered, the next forward would fetch them again (the
+    same values, one gather more on the critical path) and anything reading them outside a
+    forward would find them empty; so the step leaves each gathered with DeepSpeed's bits."""
     own = run_zero3(tmp_path, schedule=True)
     over = run_zero3(tmp_path, overlap=True, schedule=True)
     assert over["losses"] == own["losses"] and over["bits"] == own["bits"]
+    assert all(status == "AVAILABLE" and len(bits) > 0 for status, bits in own["after"])
+    assert over["after"] == own["after"] and over["calls"] == own["calls"]
 
 
 @pytest.mark.slow

@@ -47,6 +47,13 @@ WORKER = textwrap.dedent('''
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     # on the CPU the partitions are on the host too: let the chunked path take them
     copier = param_copy_back.install(engine.optimizer, devices=("cpu",)) if copy_back == "chunked" else None
+    calls = []      # DeepSpeed's sub-group loop, as it ran: (method, sub-group), in order
+    for name in ("_prepare_sub_group", "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters",
+                 "_release_sub_group"):
+        def traced(i, *args, _name=name, _method=getattr(engine.optimizer, name)):
+            calls.append([_name, i])
+            return _method(i, *args)
+        setattr(engine.optimizer, name, traced)
     own, passes = engine.optimizer.unscale_and_clip_grads, []
     def counted(*args):                              # DeepSpeed's own rescaling pass, counted
         passes.append(1)
@@ -67,11 +74,14 @@ WORKER = textwrap.dedent('''
                 evals.append(engine(x.bfloat16()).float().pow(2).mean().item())
     if deferred is not None:
         deferred.finish()
+    # what the step left: persistent parameters gathered (DeepSpeed's _post_step), the rest released
+    after = [[p.ds_status.name, p.detach().view(torch.int16).view(-1).tolist()] for p in model.parameters()]
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         bits = [p.detach().view(torch.int16).view(-1).tolist() for p in model.parameters()]
-    print("RESULT " + json.dumps({"losses": losses, "bits": bits, "passes": len(passes),
-                                  "copied": copier.copied if copier else 0, "pending": pending,
-                                  "evals": evals, "deferred": deferred.deferred if deferred else 0,
+    print("RESULT " + json.dumps({"losses": losses, "bits": bits, "passes": len(passes), "calls": calls,
+                                  "after": after, "copied": copier.copied if copier else 0,
+                                  "pending": pending, "evals": evals,
+                                  "deferred": deferred.deferred if deferred else 0,
                                   "lrs": [g["lr"] for g in engine.optimizer.param_groups]}))
 ''')
 
@@ -83,7 +93,9 @@ def run_zero3(tmp_path, copy_back: str = "deepspeed", clip: str = "own", clippin
     engine/overlap_step.py), offload_param (True: parameters on the host), persistence
     (stage3_param_persistence_threshold), schedule (True: a warm-up lr that moves every step),
     evaluate (True: a forward without gradients after each step), freeze (the first N layers
-    frozen)."""
+    frozen). Besides the losses and weights: "calls", DeepSpeed's sub-group methods as they ran
+    ([name, sub-group], in order); "after", each parameter's status and local bits once the last
+    step is done, before anything gathers (a persistent parameter stays gathered)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
