@@ -19,9 +19,11 @@ gradients have not changed (the next backward has not run), the clip factor is t
 computed (on a CPU copy of the norm: the same IEEE operations, no GPU sync per sub-group), and each
 sub-group steps with the lr, betas, eps and weight decay the step was called with (the scheduler
 moves them when step() returns). tests/test_overlap_step.py holds the bits against DeepSpeed's
-step. Parameters that ZeRO-3 keeps gathered (`stage3_param_persistence_threshold`) are never
-fetched: they are gathered again right after their sub-group, with the GPU synchronized as
-DeepSpeed's all-gather does; the policy sets the threshold to 0 where it turns this on.
+step, and the calls of its sub-group loop against DeepSpeed's. Parameters that ZeRO-3 keeps
+gathered (`stage3_param_persistence_threshold`) are released at the step's start and gathered
+again at its end, as DeepSpeed does; here right after their sub-group, with the GPU synchronized
+as DeepSpeed's all-gather does; the policy sets the threshold to 0 where it turns this on. Every
+DeepSpeed internal is reached through compat/deepspeed.py (its names and thin helpers).
 """
 
 from __future__ import annotations
