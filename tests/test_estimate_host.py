@@ -56,3 +56,20 @@ def test_zero2_cpu_offload_pins_its_buffers_and_accumulation_buffers_only_when_a
     per_layer = 2 * 8192 + 2 * 4096 + 3 * 32768 + 2 * 128
     assert acc["gradient accumulation buffers (pinned)"] == 2 * 65536 + 128 + 2 * per_layer == 377_472
     assert acc["start-up: pinned blocks of DeepSpeed's init"] == sum(buffers.values()) + 377_472
+
+
+def test_the_optimizer_items_say_which_share_of_the_sub_groups_is_on_the_host():
+    """ZeRO-3 with offload_optimizer: the master and Adam's moments are 4 B and 8 B per host
+    element; under offload_ratio < 1 their formula says how many sub-groups CPU Adam steps
+    (DeepSpeed keeps int((1 - ratio) x groups) on the GPU: int(0.5 x 1) = 0 of SMALL's one)."""
+    P = 141_632
+
+    def formulas(**kw):
+        e = estimate(SMALL, Setup(micro_batch=1, seq_len=128, offload_optimizer=True, **kw))
+        return {i.name: (i.bytes, i.formula) for i in e.items if i.name.startswith("optimizer:")}
+
+    assert formulas() == {"optimizer: fp32 master": (4 * P, "1 x 4 B x 141,632"),
+                          "optimizer: Adam m, v (CPU Adam)": (8 * P, "1 x 8 B x 141,632")}
+    half = formulas(offload_ratio=0.5)
+    assert half["optimizer: fp32 master"] == (4 * P, "1 x 4 B x 141,632 (offload_ratio 0.5: 1 of 1 sub-groups)")
+    assert half["optimizer: Adam m, v (CPU Adam)"][1].endswith("(offload_ratio 0.5: 1 of 1 sub-groups)")
