@@ -47,12 +47,12 @@ WORKER = textwrap.dedent('''
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     # on the CPU the partitions are on the host too: let the chunked path take them
     copier = param_copy_back.install(engine.optimizer, devices=("cpu",)) if copy_back == "chunked" else None
-    calls = []      # DeepSpeed's sub-group loop and its end, as they ran: [method, sub-group], in order
-    for name in ("_prepare_sub_group", "_optimizer_step", "_reassign_or_swap_out_partitioned_parameters",
-                 "_release_sub_group", "_post_step"):
-        def traced(i, *args, _name=name, _method=getattr(engine.optimizer, name)):
-            calls.append([_name, i if isinstance(i, int) else None])   # _post_step: its timer names
-            return _method(i, *args)
+    calls = []      # DeepSpeed's step, as it ran: [method, sub-group or None], in order
+    for name in ("_pre_step", "_partition_all_parameters", "_prepare_sub_group", "_optimizer_step",
+                 "_reassign_or_swap_out_partitioned_parameters", "_release_sub_group", "_post_step"):
+        def traced(*args, _name=name, _method=getattr(engine.optimizer, name)):
+            calls.append([_name, args[0] if args and isinstance(args[0], int) else None])
+            return _method(*args)
         setattr(engine.optimizer, name, traced)
     own, passes = engine.optimizer.unscale_and_clip_grads, []
     def counted(*args):                              # DeepSpeed's own rescaling pass, counted
@@ -93,8 +93,8 @@ def run_zero3(tmp_path, copy_back: str = "deepspeed", clip: str = "own", clippin
     engine/overlap_step.py), offload_param (True: parameters on the host), persistence
     (stage3_param_persistence_threshold), schedule (True: a warm-up lr that moves every step),
     evaluate (True: a forward without gradients after each step), freeze (the first N layers
-    frozen). Besides the losses and weights: "calls", DeepSpeed's sub-group methods and its end
-    of step as they ran ([name, sub-group or None], in order); "after", each parameter's status
+    frozen). Besides the losses and weights: "calls", the methods of DeepSpeed's step as they ran
+    (its start, the sub-group loop, its end: [name, sub-group or None], in order); "after", each parameter's status
     and local bits once the last step is done, before anything gathers (a persistent parameter
     stays gathered)."""
     script = tmp_path / "worker.py"
