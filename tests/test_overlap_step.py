@@ -39,6 +39,7 @@ def test_the_deferred_step_trains_deepspeeds_bits(tmp_path, offload_param, clipp
     assert len(set(own["losses"])) == 3 and own["evals"] != own["losses"]
     assert over["losses"] == own["losses"] and over["evals"] == own["evals"]
     assert over["lrs"] == own["lrs"] and over["bits"] == own["bits"]
+    assert 0 < min(own["norms"]) and over["norms"] == own["norms"]      # the step's gradient norm
     assert len(own["calls"]) == 3 * (2 + groups * 4 + 1) and over["calls"] == own["calls"]
 
 

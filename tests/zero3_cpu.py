@@ -62,12 +62,13 @@ WORKER = textwrap.dedent('''
     if clip_mode == "skip":
         assert clip_scale.install(engine.optimizer)
     deferred = overlap_step.install(engine) if extra.get("overlap") else None
-    losses, pending, evals = [], [], []
+    losses, pending, evals, norms = [], [], [], []
     for _ in range(3):
         loss = engine(x.bfloat16()).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))   # what the trainer logs
         pending.append(len(deferred.pending) if deferred else 0)
         if extra.get("evaluate"):                    # a forward without gradients between steps
             with torch.no_grad():
@@ -80,7 +81,7 @@ WORKER = textwrap.dedent('''
         bits = [p.detach().view(torch.int16).view(-1).tolist() for p in model.parameters()]
     print("RESULT " + json.dumps({"losses": losses, "bits": bits, "passes": len(passes), "calls": calls,
                                   "after": after, "copied": copier.copied if copier else 0,
-                                  "pending": pending, "evals": evals,
+                                  "pending": pending, "evals": evals, "norms": norms,
                                   "deferred": deferred.deferred if deferred else 0,
                                   "lrs": [g["lr"] for g in engine.optimizer.param_groups]}))
 ''')
