@@ -15,7 +15,8 @@ pytest.importorskip("deepspeed")
 def test_install_leaves_what_it_does_not_know_alone():
     assert overlap_step.install(types.SimpleNamespace(optimizer=None)) is None
     assert overlap_step.install(types.SimpleNamespace(optimizer=object())) is None
-    swapping = types.SimpleNamespace(**{a: None for a in overlap_step.STEP_PARTS}, swap_optimizer=True)
+    swapping = types.SimpleNamespace(**{a: None for a in overlap_step.STEP_PARTS}, swap_optimizer=True,
+                                     optimizer=types.SimpleNamespace(param_groups=[]))   # NVMe only
     assert overlap_step.install(types.SimpleNamespace(optimizer=swapping)) is None
 
 
