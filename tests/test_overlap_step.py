@@ -20,6 +20,20 @@ def test_install_leaves_what_it_does_not_know_alone():
     assert overlap_step.install(types.SimpleNamespace(optimizer=swapping)) is None
 
 
+def test_the_trainer_reports_the_sub_groups_the_deferred_step_holds(monkeypatch, capsys):
+    """optimizer_patches says how many sub-groups update during the next forward, and that few
+    overlap little (the count is DeferredStep's: DeepSpeed's state is read in compat/deepspeed.py)."""
+    from longft.engine import optimizer_patches
+
+    opt = types.SimpleNamespace(fp16_groups=[[object()], [object(), object()]])
+    monkeypatch.setattr(overlap_step, "install", lambda engine, copier=None: overlap_step.DeferredStep(opt))
+    deferred = optimizer_patches._defer_step(types.SimpleNamespace(optimizer=opt), rank=0)
+    assert deferred.groups == 2 and deferred.persistent == [[], []]
+    out = capsys.readouterr().out
+    assert "the optimizer step's 2 sub-groups update during the next forward" in out
+    assert "with 2 little of the update can overlap" in out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("offload_param", [False, True])
 @pytest.mark.parametrize("clipping", [1e6, 1e-3])
