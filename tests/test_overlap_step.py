@@ -71,6 +71,8 @@ def test_persistent_parameters_are_gathered_after_their_sub_group(tmp_path):
     assert over["losses"] == own["losses"] and over["bits"] == own["bits"]
     assert all(status == "AVAILABLE" and len(bits) > 0 for status, bits in own["after"])
     assert over["after"] == own["after"] and over["calls"] == own["calls"]
+    # each of the 12 parameters (6 layers' weight and bias) gathered once a step, as DeepSpeed does
+    assert own["gathered"] == over["gathered"] == 3 * 12
 
 
 @pytest.mark.slow

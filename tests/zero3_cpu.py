@@ -54,6 +54,12 @@ WORKER = textwrap.dedent('''
             calls.append([_name, args[0] if args and isinstance(args[0], int) else None])
             return _method(*args)
         setattr(engine.optimizer, name, traced)
+    gathers = []    # parameters all-gathered outside a fetch (DeepSpeed's end of step: the persistent ones)
+    for p in model.parameters():
+        def all_gather(param_list=None, *args, _gather=p.all_gather, _p=p, **kwargs):
+            gathers.extend(param_list or [_p])
+            return _gather(param_list, *args, **kwargs)
+        p.all_gather = all_gather
     own, passes = engine.optimizer.unscale_and_clip_grads, []
     def counted(*args):                              # DeepSpeed's own rescaling pass, counted
         passes.append(1)
@@ -77,10 +83,11 @@ WORKER = textwrap.dedent('''
         deferred.finish()
     # what the step left: persistent parameters gathered (DeepSpeed's _post_step), the rest released
     after = [[p.ds_status.name, p.detach().view(torch.int16).view(-1).tolist()] for p in model.parameters()]
+    gathered = len(gathers)
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         bits = [p.detach().view(torch.int16).view(-1).tolist() for p in model.parameters()]
     print("RESULT " + json.dumps({"losses": losses, "bits": bits, "passes": len(passes), "calls": calls,
-                                  "after": after, "copied": copier.copied if copier else 0,
+                                  "after": after, "gathered": gathered, "copied": copier.copied if copier else 0,
                                   "pending": pending, "evals": evals, "norms": norms,
                                   "deferred": deferred.deferred if deferred else 0,
                                   "lrs": [g["lr"] for g in engine.optimizer.param_groups]}))
@@ -97,7 +104,7 @@ def run_zero3(tmp_path, copy_back: str = "deepspeed", clip: str = "own", clippin
     frozen). Besides the losses and weights: "calls", the methods of DeepSpeed's step as they ran
     (its start, the sub-group loop, its end: [name, sub-group or None], in order); "after", each parameter's status
     and local bits once the last step is done, before anything gathers (a persistent parameter
-    stays gathered)."""
+    stays gathered); "gathered", the parameters all-gathered by then outside the forward's fetches."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
