@@ -49,7 +49,8 @@ def deepspeed_without_pre_step(monkeypatch, tmp_path):
 
     from longft.compat import deepspeed as ds
 
-    state = "".join(f"        self.{n} = None\n" for n in ds.STEP_STATE + ("persistent_parameters",))
+    state = "".join(f"        self.{a.name} = None\n" for a in ds.ACCESSES
+                    if a.feature == "overlap_step" and a.owner == ds.OPTIMIZER and a.kind == "instance")
     methods = "".join(f"    def {m}(self): pass\n" for m in ds.STEP_METHODS if m != "_pre_step")
     fake_source(monkeypatch, tmp_path, STAGE3, "class DeepSpeedZeroOptimizer_Stage3:\n"
                 f"    def __init__(self):\n{state}{methods}")
@@ -75,6 +76,7 @@ def test_overlap_step_auto_turns_off_with_the_reason(deepspeed_without_pre_step)
     assert problems == []
     assert choices["overlap_step"].value == "off"
     assert "DeepSpeedZeroOptimizer_Stage3._pre_step is gone" in choices["overlap_step"].reason
+    assert choices["overlap_step"].reason.count(" is gone") == 1     # the rest is there
     label = f"{STAGE3}.DeepSpeedZeroOptimizer_Stage3._pre_step"
     assert record[label] == f"{label} is gone"
     assert record[f"{STAGE3}.DeepSpeedZeroOptimizer_Stage3._post_step"] == "ok"

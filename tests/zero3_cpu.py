@@ -47,6 +47,19 @@ WORKER = textwrap.dedent('''
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     # on the CPU the partitions are on the host too: let the chunked path take them
     copier = param_copy_back.install(engine.optimizer, devices=("cpu",)) if copy_back == "chunked" else None
+    calls = []      # DeepSpeed's step, as it ran: [method, sub-group or None], in order
+    for name in ("_pre_step", "_partition_all_parameters", "_prepare_sub_group", "_optimizer_step",
+                 "_reassign_or_swap_out_partitioned_parameters", "_release_sub_group", "_post_step"):
+        def traced(*args, _name=name, _method=getattr(engine.optimizer, name)):
+            calls.append([_name, args[0] if args and isinstance(args[0], int) else None])
+            return _method(*args)
+        setattr(engine.optimizer, name, traced)
+    gathers = []    # parameters all-gathered outside a fetch (DeepSpeed's end of step: the persistent ones)
+    for p in model.parameters():
+        def all_gather(param_list=None, *args, _gather=p.all_gather, _p=p, **kwargs):
+            gathers.extend(param_list or [_p])
+            return _gather(param_list, *args, **kwargs)
+        p.all_gather = all_gather
     own, passes = engine.optimizer.unscale_and_clip_grads, []
     def counted(*args):                              # DeepSpeed's own rescaling pass, counted
         passes.append(1)
@@ -55,23 +68,28 @@ WORKER = textwrap.dedent('''
     if clip_mode == "skip":
         assert clip_scale.install(engine.optimizer)
     deferred = overlap_step.install(engine) if extra.get("overlap") else None
-    losses, pending, evals = [], [], []
+    losses, pending, evals, norms = [], [], [], []
     for _ in range(3):
         loss = engine(x.bfloat16()).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))   # what the trainer logs
         pending.append(len(deferred.pending) if deferred else 0)
         if extra.get("evaluate"):                    # a forward without gradients between steps
             with torch.no_grad():
                 evals.append(engine(x.bfloat16()).float().pow(2).mean().item())
     if deferred is not None:
         deferred.finish()
+    # what the step left: persistent parameters gathered (DeepSpeed's _post_step), the rest released
+    after = [[p.ds_status.name, p.detach().view(torch.int16).view(-1).tolist()] for p in model.parameters()]
+    gathered = len(gathers)
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         bits = [p.detach().view(torch.int16).view(-1).tolist() for p in model.parameters()]
-    print("RESULT " + json.dumps({"losses": losses, "bits": bits, "passes": len(passes),
-                                  "copied": copier.copied if copier else 0, "pending": pending,
-                                  "evals": evals, "deferred": deferred.deferred if deferred else 0,
+    print("RESULT " + json.dumps({"losses": losses, "bits": bits, "passes": len(passes), "calls": calls,
+                                  "after": after, "gathered": gathered, "copied": copier.copied if copier else 0,
+                                  "pending": pending, "evals": evals, "norms": norms,
+                                  "deferred": deferred.deferred if deferred else 0,
                                   "lrs": [g["lr"] for g in engine.optimizer.param_groups]}))
 ''')
 
@@ -83,7 +101,10 @@ def run_zero3(tmp_path, copy_back: str = "deepspeed", clip: str = "own", clippin
     engine/overlap_step.py), offload_param (True: parameters on the host), persistence
     (stage3_param_persistence_threshold), schedule (True: a warm-up lr that moves every step),
     evaluate (True: a forward without gradients after each step), freeze (the first N layers
-    frozen)."""
+    frozen). Besides the losses and weights: "calls", the methods of DeepSpeed's step as they ran
+    (its start, the sub-group loop, its end: [name, sub-group or None], in order); "after", each parameter's status
+    and local bits once the last step is done, before anything gathers (a persistent parameter
+    stays gathered); "gathered", the parameters all-gathered by then outside the forward's fetches."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",

@@ -14,6 +14,9 @@ holds the two side by side on DeepSpeed's class, so an upgrade that changes the 
 
 from __future__ import annotations
 
+from longft.compat import deepspeed as ds
+from longft.compat.deepspeed import CLIP_SCALE_PARTS, RESCALE
+
 
 def combined_scale(loss_scale, clip_grad: float, total_norm):
     """What DeepSpeed's ZeRO-3 divides the gradients by: the loss scale, times the clip coefficient
@@ -33,20 +36,19 @@ def install(optimizer) -> bool:
     factor is exactly 1 (the factor is checked once a step: every sub-group gets the same norm).
     False (nothing changed) for an optimizer without that method or without the attributes the
     factor is computed from (ZeRO-1/2 skip a factor of 1 themselves only without clipping)."""
-    original = getattr(optimizer, "unscale_and_clip_grads", None)
-    if original is None or not hasattr(optimizer, "fp32_partitioned_groups_flat") \
-            or not hasattr(optimizer, "clip_grad") or not hasattr(optimizer, "loss_scale"):
+    if any(not hasattr(optimizer, a) for a in CLIP_SCALE_PARTS):
         return False
+    original = getattr(optimizer, RESCALE)
     checked, one = None, False          # the norm last checked, and whether its factor is 1
 
     def unscale_and_clip_grads(sub_group_id, total_norm):
         nonlocal checked, one
         if checked is not total_norm:
             checked = total_norm
-            one = bool(combined_scale(optimizer.loss_scale, optimizer.clip_grad, total_norm) == 1.0)
+            one = bool(combined_scale(*ds.loss_scale_and_clip(optimizer), total_norm) == 1.0)
         if one:
             return None                 # x * 1.0 == x: the pass would change nothing
         return original(sub_group_id, total_norm)
 
-    optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+    setattr(optimizer, RESCALE, unscale_and_clip_grads)
     return True

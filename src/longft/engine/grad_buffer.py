@@ -19,6 +19,8 @@ unmanaged gradient accumulation, `offload_states` / `reload_states`, DeepCompile
 
 from __future__ import annotations
 
+from longft.compat import deepspeed as ds
+from longft.compat.deepspeed import GRAD_BUFFER
 from longft.compat.deepspeed import GRAD_PARTITIONS as MAP
 from longft.errors import UserError
 
@@ -34,19 +36,20 @@ def share(optimizer) -> int:
     import torch
 
     slots = getattr(optimizer, MAP, None)
-    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    flat = getattr(optimizer, GRAD_BUFFER, None)
     if not isinstance(slots, dict) or not isinstance(flat, torch.Tensor) or not slots:
         raise GradBufferError(
             f"zero.host_grad_buffer: shared needs DeepSpeed's ZeRO-3 optimizer with its host "
             f"gradient buffer ({type(optimizer).__name__} has none; deepspeed 0.19 has it). "
             "Set zero.host_grad_buffer: full")
     fix = "Set zero.host_grad_buffer: full (or auto, which chooses full here)"
-    if getattr(optimizer, "gradient_accumulation_steps", None) != 1:
+    accumulation, offload, dtype = ds.grad_buffer_settings(optimizer)
+    if accumulation != 1:
         raise GradBufferError("zero.host_grad_buffer: shared needs one micro-step per step "
                               "(train.global_batch_size = micro_batch_size x GPUs). " + fix)
-    if not getattr(optimizer, "offload_optimizer", False):
+    if not offload:
         raise GradBufferError("zero.host_grad_buffer: shared needs zero.offload_optimizer: cpu. " + fix)
-    if getattr(optimizer, "dtype", None) == torch.float16:
+    if dtype == torch.float16:
         raise GradBufferError("zero.host_grad_buffer: shared cannot run in fp16 (DeepSpeed's "
                               "overflow check reads every partition's host copy). " + fix)
     largest = max(t.numel() for t in slots.values())
@@ -54,5 +57,5 @@ def share(optimizer) -> int:
     shared = torch.empty(largest, dtype=flat.dtype, device=flat.device, pin_memory=pinned)
     for key, t in slots.items():
         slots[key] = shared.narrow(0, 0, t.numel())
-    optimizer.grad_partitions_flat_buffer = shared
+    setattr(optimizer, GRAD_BUFFER, shared)
     return (flat.numel() - largest) * flat.element_size()

@@ -60,7 +60,7 @@ def _defer_step(engine, rank: int, copier=None):
         raise TrainingError("zero.overlap_step: on, but DeepSpeed's optimizer is not the ZeRO-3 one "
                             "engine/overlap_step.py knows (requirements/common.txt pins it); install "
                             "it or set zero.overlap_step: off")
-    groups = len(deferred.opt.fp16_groups)
+    groups = deferred.groups
     if rank == 0:
         print(f"longft: the optimizer step's {groups} sub-groups update during the next forward, "
               "each before its parameters are fetched (zero.overlap_step; engine/overlap_step.py)"

@@ -19,16 +19,19 @@ gradients have not changed (the next backward has not run), the clip factor is t
 computed (on a CPU copy of the norm: the same IEEE operations, no GPU sync per sub-group), and each
 sub-group steps with the lr, betas, eps and weight decay the step was called with (the scheduler
 moves them when step() returns). tests/test_overlap_step.py holds the bits against DeepSpeed's
-step. Parameters that ZeRO-3 keeps gathered (`stage3_param_persistence_threshold`) are never
-fetched: they are gathered again right after their sub-group, with the GPU synchronized as
-DeepSpeed's all-gather does; the policy sets the threshold to 0 where it turns this on.
+step, and the calls of its sub-group loop against DeepSpeed's. Parameters that ZeRO-3 keeps
+gathered (`stage3_param_persistence_threshold`) are released at the step's start and gathered
+again at its end, as DeepSpeed does; here right after their sub-group, with the GPU synchronized
+as DeepSpeed's all-gather does; the policy sets the threshold to 0 where it turns this on. Every
+DeepSpeed internal is reached through compat/deepspeed.py (its names and thin helpers).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from longft.compat.deepspeed import ALLGATHER_STREAM, GATHER, STEP_PARTS
+from longft.compat import deepspeed as ds
+from longft.compat.deepspeed import ALLGATHER_STREAM, CACHE_FLUSHES, FETCH, GATHER, STEP_PARTS
 from longft.engine.partial_offload import HYPERPARAMETERS
 
 __all__ = ["ALLGATHER_STREAM", "GATHER", "STEP_PARTS", "DeferredStep", "install"]
@@ -42,9 +45,10 @@ class DeferredStep:
         self.opt = optimizer
         self.copier = copier           # param_copy_back.ChunkedCopyBack, where it is installed
         self.gather_stream = gather_stream  # the stream ZeRO-3 gathers parameters on (GPU)
-        self.group_of = {id(p): i for i, g in enumerate(optimizer.fp16_groups) for p in g}
-        self.persistent = [[p for p in g if getattr(p, "ds_persist", False)]
-                           for g in optimizer.fp16_groups]
+        groups = ds.sub_groups(optimizer)
+        self.groups = len(groups)      # sub-groups in the optimizer
+        self.group_of = {id(p): i for i, g in enumerate(groups) for p in g}
+        self.persistent = [ds.persistent(g) for g in groups]
         self.pending: deque[int] = deque()
         self.norm = None               # the loss-scaled global norm, on the CPU
         self.hyper: list[dict] = []    # each param group's hyper-parameters at step()
@@ -56,17 +60,13 @@ class DeferredStep:
 
         self.finish()
         o = self.opt
-        o._pre_step()
-        o._partition_all_parameters()
-        if o._overflow_check_and_loss_scale_update():   # fp16 overflow: no update, as DeepSpeed
-            if getattr(o, "swap_optimizer", False):
-                o.optimizer_swapper.log_timers()
+        if ds.step_start(o):            # fp16 overflow: no update, as DeepSpeed
             return
-        scaled = torch.linalg.vector_norm(torch.stack(o._get_norm_groups()))
-        o._global_grad_norm = scaled / o.loss_scale
+        scaled = torch.linalg.vector_norm(torch.stack(ds.norm_groups(o)))
+        ds.set_global_norm(o, scaled)
         self.norm = scaled.cpu()
         self.hyper = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in o.optimizer.param_groups]
-        self.pending = deque(range(len(o.fp16_groups)))
+        self.pending = deque(range(self.groups))
         if self.copier is not None and torch.cuda.is_available():
             # the last work that reads the partitions (the backward) is queued by now: the
             # copy-back waits for it, not for the next forward's layers queued before a sub-group
@@ -98,22 +98,22 @@ class DeferredStep:
 
         o = self.opt
         with torch.no_grad():
-            o._prepare_sub_group(i, set())
-            o.unscale_and_clip_grads(i, self.norm)
+            ds.prepare_sub_group(o, i)
+            ds.rescale_sub_group(o, i, self.norm)
             groups = o.optimizer.param_groups
             now = [{k: g[k] for k in h} for g, h in zip(groups, self.hyper)]
             for g, h in zip(groups, self.hyper):
                 g.update(h)
             try:
-                o._optimizer_step(i)
+                ds.optimizer_step(o, i)
             finally:
                 for g, h in zip(groups, now):
                     g.update(h)
-            o._reassign_or_swap_out_partitioned_parameters(i)
-            o._release_sub_group(i, set())
+            ds.reassign_sub_group(o, i)
+            ds.release_sub_group(o, i)
             if self.persistent[i]:
-                self.persistent[i][0].all_gather(self.persistent[i])
-            flat = o.fp16_partitioned_groups_flat[i]
+                ds.gather(self.persistent[i])
+            flat = ds.partition16(o, i)
             if flat is not None and flat.is_cuda and self.gather_stream is not None:
                 # ZeRO-3 gathers on a stream of its own: it reads the partition after this update
                 self.gather_stream.wait_stream(torch.cuda.current_stream(flat.device))
@@ -121,29 +121,27 @@ class DeferredStep:
     def _post_step(self) -> None:
         """DeepSpeed's end of step, less the gathering of persistent parameters (done per
         sub-group in `_update`)."""
-        o = self.opt
-        persistent, o.persistent_parameters = o.persistent_parameters, []
         try:
-            o._post_step(set())
+            ds.post_step(self.opt, gather_persistent=False)
         finally:
-            o.persistent_parameters = persistent
             if self.copier is not None:
                 self.copier.after = None
-        _warn_cache_flushes(o)
+        _warn_cache_flushes(self.opt)
 
 
 def _warn_cache_flushes(o) -> None:
     """The allocator-flush warning DeepSpeed's step ends with (a sign of memory pressure)."""
     import torch
 
-    if not torch.cuda.is_available() or not hasattr(o, "n_caching_allocator_flushes"):
+    flushes = getattr(o, CACHE_FLUSHES, None)
+    if not torch.cuda.is_available() or flushes is None:
         return
     retries = torch.cuda.memory_stats().get("num_alloc_retries") or 0
-    if retries > o.n_caching_allocator_flushes:
-        print(f"longft: {retries - o.n_caching_allocator_flushes} pytorch allocator cache flushes "
+    if retries > flushes:
+        print(f"longft: {retries - flushes} pytorch allocator cache flushes "
               "since the last step: memory pressure, which costs speed (DeepSpeed's warning)",
               flush=True)
-        o.n_caching_allocator_flushes = retries
+        setattr(o, CACHE_FLUSHES, retries)
 
 
 def install(engine, copier=None) -> DeferredStep | None:
@@ -156,11 +154,11 @@ def install(engine, copier=None) -> DeferredStep | None:
     from deepspeed.utils import z3_leaf_module
 
     o = getattr(engine, "optimizer", None)
-    if o is None or any(not hasattr(o, a) for a in STEP_PARTS) or getattr(o, "swap_optimizer", False) \
+    if o is None or any(not hasattr(o, a) for a in STEP_PARTS) or ds.swaps(o) \
             or not hasattr(getattr(o, "optimizer", None), "param_groups"):
         return None
-    coordinator = o._get_param_coordinator()
-    fetch, gather = getattr(coordinator, "fetch_sub_module", None), getattr(coordinator, GATHER, None)
+    coordinator = ds.param_coordinator(o)
+    fetch, gather = getattr(coordinator, FETCH, None), getattr(coordinator, GATHER, None)
     if fetch is None or gather is None:
         return None
     d = DeferredStep(o, copier, getattr(coordinator, ALLGATHER_STREAM, None))
@@ -186,7 +184,7 @@ def install(engine, copier=None) -> DeferredStep | None:
         return save(*args, **kwargs)
 
     o.step = d.step
-    coordinator.fetch_sub_module = fetch_sub_module
+    setattr(coordinator, FETCH, fetch_sub_module)
     setattr(coordinator, GATHER, all_gather_params)
     engine.backward = backward_after_update
     engine.save_checkpoint = save_after_update

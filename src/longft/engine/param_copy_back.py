@@ -17,6 +17,8 @@ is torch's own on the CPU (round to nearest even), as in DeepSpeed's copy.
 
 from __future__ import annotations
 
+from longft.compat.deepspeed import FLAT16, FLAT32, POST_STEP, REASSIGN, UNFLATTEN
+
 CHUNK_ELEMENTS = 1 << 25
 """Elements per chunk: 64 MiB in bf16 (a power of two, so torch's pinned allocator wastes none)."""
 CHUNKS = 3
@@ -105,11 +107,9 @@ def install(optimizer, devices: tuple[str, ...] = ("cuda",)) -> ChunkedCopyBack 
     of another dtype, is on one of `devices` (a partition on the host, `offload_param`, is converted
     in place by DeepSpeed's own copy: nothing to gain). None (nothing changed) where no sub-group
     is such."""
-    flat16 = getattr(optimizer, "fp16_partitioned_groups_flat", None)
-    flat32 = getattr(optimizer, "fp32_partitioned_groups_flat", None)
-    reassign = getattr(optimizer, "_reassign_or_swap_out_partitioned_parameters", None)
-    unflatten = getattr(optimizer, "_unflatten_partitioned_parameters", None)
-    post_step = getattr(optimizer, "_post_step", None)
+    flat16, flat32 = getattr(optimizer, FLAT16, None), getattr(optimizer, FLAT32, None)
+    reassign, unflatten = getattr(optimizer, REASSIGN, None), getattr(optimizer, UNFLATTEN, None)
+    post_step = getattr(optimizer, POST_STEP, None)
     if None in (flat16, flat32, reassign, unflatten, post_step):
         return None
 
@@ -132,6 +132,6 @@ def install(optimizer, devices: tuple[str, ...] = ("cuda",)) -> ChunkedCopyBack 
         copier.wait()               # the step returns with every partition updated, as before
         return post_step(*args, **kwargs)
 
-    optimizer._reassign_or_swap_out_partitioned_parameters = reassign_chunked
-    optimizer._post_step = post_step_landed
+    setattr(optimizer, REASSIGN, reassign_chunked)
+    setattr(optimizer, POST_STEP, post_step_landed)
     return copier

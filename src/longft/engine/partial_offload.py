@@ -16,6 +16,7 @@ both halves of the model then take the same AdamW step, as full offload does.
 
 from __future__ import annotations
 
+from longft.compat.deepspeed import BACKUP
 from longft.errors import UserError
 
 # what DeepSpeed copies from the CPU Adam's first param group into the backup AdamW
@@ -30,7 +31,7 @@ def follow_schedule(optimizer) -> bool:
     """Make the GPU share of a partially offloaded ZeRO-3 optimizer follow the CPU Adam's param
     groups (lr schedule included) at every step. `optimizer`: DeepSpeed's ZeRO-3 optimizer
     (`engine.optimizer`). Returns False (and changes nothing) where there is no GPU share."""
-    backup = getattr(optimizer, "backup_optimizer", None)
+    backup = getattr(optimizer, BACKUP, None)
     if backup is None:
         return False
     main = getattr(optimizer, "optimizer", None)
