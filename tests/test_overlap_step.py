@@ -59,6 +59,18 @@ def test_the_deferred_step_trains_deepspeeds_bits(tmp_path, offload_param, clipp
 
 
 @pytest.mark.slow
+def test_a_nan_gradient_skips_the_step_as_deepspeed_does(tmp_path):
+    """A NaN gradient norm (DeepSpeed's groups report it as the -1 sentinel) makes DeepSpeed skip
+    the step, bf16 included; the deferred step skips it too: no sub-group is left pending, the
+    weights stay finite and are DeepSpeed's bits, and the step's norm is reported as inf."""
+    own = run_zero3(tmp_path, persistence=0, nan_at=1)
+    over = run_zero3(tmp_path, overlap=True, persistence=0, nan_at=1)
+    assert own["norms"][1] == float("inf") and over["norms"] == own["norms"]
+    assert over["pending"][1] == 0 and over["losses"][2] == own["losses"][2]
+    assert over["bits"] == own["bits"]
+
+
+@pytest.mark.slow
 def test_persistent_parameters_are_gathered_after_their_sub_group(tmp_path):
     """With DeepSpeed's default persistence every small parameter stays gathered and is never
     fetched: each is gathered again right after its sub-group's update, before the next forward

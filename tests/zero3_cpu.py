@@ -69,8 +69,10 @@ WORKER = textwrap.dedent('''
         assert clip_scale.install(engine.optimizer)
     deferred = overlap_step.install(engine) if extra.get("overlap") else None
     losses, pending, evals, norms = [], [], [], []
-    for _ in range(3):
+    for step in range(3):
         loss = engine(x.bfloat16()).float().pow(2).mean()
+        if extra.get("nan_at") == step:              # a NaN gradient (a bad batch, an overflow)
+            loss = loss * float("nan")
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -101,10 +103,11 @@ def run_zero3(tmp_path, copy_back: str = "deepspeed", clip: str = "own", clippin
     engine/overlap_step.py), offload_param (True: parameters on the host), persistence
     (stage3_param_persistence_threshold), schedule (True: a warm-up lr that moves every step),
     evaluate (True: a forward without gradients after each step), freeze (the first N layers
-    frozen). Besides the losses and weights: "calls", the methods of DeepSpeed's step as they ran
-    (its start, the sub-group loop, its end: [name, sub-group or None], in order); "after", each parameter's status
-    and local bits once the last step is done, before anything gathers (a persistent parameter
-    stays gathered); "gathered", the parameters all-gathered by then outside the forward's fetches."""
+    frozen), nan_at (the step whose loss, and so gradients, are NaN). Besides the losses and
+    weights: "calls", the methods of DeepSpeed's step as they ran (its start, the sub-group loop,
+    its end: [name, sub-group or None], in order); "after", each parameter's status and local bits
+    once the last step is done, before anything gathers (a persistent parameter stays gathered);
+    "gathered", the parameters all-gathered by then outside the forward's fetches."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",

@@ -44,9 +44,10 @@ BACKUP = "backup_optimizer"
 """The GPU share's torch AdamW under offload_optimizer.ratio < 1 (partial_offload)."""
 
 STEP_METHODS = ("_pre_step", "_partition_all_parameters", "_overflow_check_and_loss_scale_update",
-                "_get_norm_groups", "_prepare_sub_group", RESCALE, "_optimizer_step", REASSIGN,
-                "_release_sub_group", POST_STEP, "_get_param_coordinator")
-STEP_STATE = ("fp16_groups", FLAT16, "loss_scale", "_global_grad_norm")
+                "_loss_scale_update_and_overflow_cleanup", "_get_norm_groups", "_prepare_sub_group",
+                RESCALE, "_optimizer_step", REASSIGN, "_release_sub_group", POST_STEP,
+                "_get_param_coordinator")
+STEP_STATE = ("fp16_groups", FLAT16, "loss_scale", "_global_grad_norm", "overflow")
 STEP_PARTS = STEP_METHODS + STEP_STATE
 """What overlap_step rebuilds ZeRO-3's step() from."""
 COPY_BACK_PARTS = (FLAT16, FLAT32, REASSIGN, UNFLATTEN, POST_STEP)
@@ -94,26 +95,34 @@ def partition16(o, i: int):
     return o.fp16_partitioned_groups_flat[i]
 
 
-def step_start(o) -> bool:
-    """The step up to the overflow check (`_pre_step`, `_partition_all_parameters`, the loss scale's
-    update); True where fp16 overflowed: no update (DeepSpeed logs the swapper's timers then)."""
+def step_start(o):
+    """DeepSpeed 0.19's step up to its sub-group loop: `_pre_step`, `_partition_all_parameters`,
+    the fp16 overflow check, the global norm of the loss-scaled gradients (combined as DeepSpeed
+    does, keeping its -1 sentinel of a NaN/inf group invalid), an invalid norm counted as an
+    overflow (bf16 too), then the loss scale's update. Returns the scaled norm (a tensor), with
+    the unscaled one stashed for `engine.get_global_grad_norm()`; None where the step is skipped
+    (DeepSpeed logs the swapper's timers then, and reports the norm as inf)."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+
     o._pre_step()
     o._partition_all_parameters()
-    if o._overflow_check_and_loss_scale_update():
+    o._overflow_check_and_loss_scale_update(update_scale=False)
+    scaled = None
+    if not o.overflow:
+        scaled = combine_grad_norm_groups(o._get_norm_groups())
+        if is_invalid_grad_norm(scaled):
+            o.overflow = True
+    if o._loss_scale_update_and_overflow_cleanup():
         if swaps(o):
             o.optimizer_swapper.log_timers()
-        return True
-    return False
-
-
-def norm_groups(o) -> list:
-    """Each parameter group's loss-scaled gradient norm."""
-    return o._get_norm_groups()
-
-
-def set_global_norm(o, scaled) -> None:
-    """Stash the unscaled global norm (what `engine.get_global_grad_norm()` returns)."""
+        return None
     o._global_grad_norm = scaled / o.loss_scale
+    return scaled
+
+
+def uses_muon(o) -> bool:
+    """Whether the optimizer runs Muon (its step adds work overlap_step does not rebuild)."""
+    return bool(getattr(o, "use_muon", False))
 
 
 def swaps(o) -> bool:
@@ -187,6 +196,8 @@ ACCESSES = (
     Access("overlap_step", COORDINATOR_MODULE, "__allgather_stream", owner=COORDINATOR, kind="instance"),
     Access("overlap_step", COORDINATOR_MODULE, "iter_params"),
     Access("overlap_step", PARAMETERS_MODULE, "ds_persist", kind="source"),
+    *(Access("overlap_step", "deepspeed.runtime.utils", n)
+      for n in ("combine_grad_norm_groups", "is_invalid_grad_norm")),
     *(_optimizer("copy_back", n) for n in COPY_BACK_PARTS),
     *(_optimizer("clip_scale", n) for n in CLIP_SCALE_PARTS),
     *(_optimizer("host_grad_buffer", n) for n in GRAD_BUFFER_PARTS),

@@ -60,10 +60,9 @@ class DeferredStep:
 
         self.finish()
         o = self.opt
-        if ds.step_start(o):            # fp16 overflow: no update, as DeepSpeed
+        scaled = ds.step_start(o)
+        if scaled is None:              # fp16 overflow or a NaN/inf norm: no update, as DeepSpeed
             return
-        scaled = torch.linalg.vector_norm(torch.stack(ds.norm_groups(o)))
-        ds.set_global_norm(o, scaled)
         self.norm = scaled.cpu()
         self.hyper = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in o.optimizer.param_groups]
         self.pending = deque(range(self.groups))
@@ -149,12 +148,12 @@ def install(engine, copier=None) -> DeferredStep | None:
     make `engine.backward` and `engine.save_checkpoint` finish it first; `copier`: the chunked
     copy-back installed on the same optimizer (param_copy_back.install), if any. None (nothing changed)
     for an optimizer that is not DeepSpeed's ZeRO-3 one with its sub-groups on the host or the GPU
-    (NVMe swapping is left to DeepSpeed)."""
+    (NVMe swapping and Muon are left to DeepSpeed)."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
     from deepspeed.utils import z3_leaf_module
 
     o = getattr(engine, "optimizer", None)
-    if o is None or any(not hasattr(o, a) for a in STEP_PARTS) or ds.swaps(o) \
+    if o is None or any(not hasattr(o, a) for a in STEP_PARTS) or ds.swaps(o) or ds.uses_muon(o) \
             or not hasattr(getattr(o, "optimizer", None), "param_groups"):
         return None
     coordinator = ds.param_coordinator(o)
