@@ -110,7 +110,7 @@ def main() -> int:
     env = environment(device, expandable_segments=cfg.hardware.expandable_segments)
     code = launch_ranks(cmd, env, run_dir, port if device == "cpu" else None,
                         auto_port=cfg.hardware.master_port == "auto",  # taken meanwhile: a fresh one
-                        disk_dir=Path(swap) if swap else None)
+                        swap_root=Path(swap) if swap else None)
     if code == 0 and not cfg.output.export:
         # export/ persists across runs (dvc.yaml) so a refused or failed run keeps the last model;
         # a finished run without an export must not leave an older run's model there as its own

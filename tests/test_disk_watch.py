@@ -83,3 +83,30 @@ def test_the_train_stage_watches_the_directory_the_ranks_swap_under(tmp_path):
     run = ds_config.nvme_run_dir(json.loads(json.dumps(ds)), "29500")
     assert Path(run).parent == Path(root) and root.startswith(str(tmp_path))
     assert ds_config.nvme_swap_root(ds_config.build(from_dict({}), "bf16", 64)) is None
+
+
+def test_a_launch_watches_its_own_swap_directory_not_another_runs(tmp_path):
+    """launch_ranks watches run-<its master port> below the swap root: another run's files there
+    stay out, and a killed run's directory on the same port is removed first (DeepSpeed would
+    write over its files in place, and the peak would read as 0)."""
+    import sys
+
+    from longft.run.launch import launch_ranks
+
+    root = tmp_path / "longft-optimizer"
+    (root / "run-4321").mkdir(parents=True)
+    (root / "run-4321" / "0.tensor.swp").write_bytes(b"k" * 3 * MIB)     # a killed run's, this port
+    (root / "run-999").mkdir()
+    ranks = (f"import pathlib, time\n"
+             f"r = pathlib.Path({str(root)!r})\n"
+             f"(r / 'run-999' / 'other.swp').write_bytes(b'o' * {4 * MIB})\n"  # another live run
+             f"(r / 'run-4321').mkdir(parents=True, exist_ok=True)\n"
+             f"(r / 'run-4321' / '0.tensor.swp').write_bytes(b'x' * {2 * MIB})\n"
+             f"time.sleep(0.7)\n")
+    cmd = [sys.executable, "-c", ranks, "--master_port", "4321"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert launch_ranks(cmd, dict(os.environ), run_dir, swap_root=root) == 0
+    mon = json.loads((run_dir / "monitor.json").read_text())
+    assert mon["disk_path"] == str(root / "run-4321")
+    assert mon["disk_swap_baseline_bytes"] == 0 and mon["disk_swap_peak_bytes"] == 2 * MIB

@@ -57,22 +57,28 @@ def nvme_dir(cfg: Config) -> str:
 
 def nvme_swap_root(ds: dict) -> str | None:
     """The swap directory a built config names (nvme_dir: every run's run-<key> lies below it), or
-    None without offload_optimizer nvme. The train stage measures the disk there."""
+    None without offload_optimizer nvme. The train stage measures the disk of its run's
+    run-<port> below it (run/launch.py)."""
     off = ds.get("zero_optimization", {}).get("offload_optimizer", {})
     return off["nvme_path"] if off.get("device") == "nvme" else None
+
+
+def nvme_run_path(root: str, run_key) -> str:
+    """The swap directory of one run below the swap root: run-<run_key> (the rendezvous port)."""
+    import os
+
+    return os.path.join(root, f"run-{run_key}")
 
 
 def nvme_run_dir(ds: dict, run_key: str) -> str | None:
     """offload_optimizer nvme: point this run's DeepSpeed config at a swap directory of its own,
     run-<run_key> below nvme_dir (the ranks of one run share a key: the rendezvous port), so two
     runs on one nvme_path never share swap files. Returns it; None without NVMe."""
-    import os
-
     root = nvme_swap_root(ds)
     if root is None:
         return None
     off = ds["zero_optimization"]["offload_optimizer"]
-    off["nvme_path"] = os.path.join(root, f"run-{run_key}")
+    off["nvme_path"] = nvme_run_path(root, run_key)
     return off["nvme_path"]
 
 

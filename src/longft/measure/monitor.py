@@ -208,6 +208,13 @@ class HostSampler:
         self._util_sum: list = []
         self._util_n: list = []
 
+    def watch_disk(self, path: Path) -> None:
+        """Watch `path` instead (a launch retried on another port swaps elsewhere), from now on."""
+        disk = DiskWatch(path)
+        if self._thread is not None:
+            disk.start()
+        self._disk = disk
+
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "HostSampler":
         if self._thread is not None:

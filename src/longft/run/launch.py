@@ -174,20 +174,23 @@ def _port_of(cmd: list[str]) -> int | None:
 
 
 def launch_ranks(cmd: list[str], env: dict, run_dir: Path, port: int | None = None,
-                 auto_port: bool = False, disk_dir: Path | None = None) -> int:
+                 auto_port: bool = False, swap_root: Path | None = None) -> int:
     """Run the launcher with the host-memory sampler; return its exit code. `port`: drop the
     CPU all-reduce buffers of that port before and after. When the ranks fail because their
     --master_port was taken after it was found free: auto_port (hardware.master_port auto)
     launches again on a fresh port (up to PORT_RETRIES times), else the exit status is 2 with
-    a message that says what to do. disk_dir: the NVMe swap directory, whose bytes and free
-    space the sampler watches too."""
+    a message that says what to do. swap_root: the NVMe swap root (offload_optimizer nvme): the
+    sampler also watches this launch's own run-<master port> below it (its bytes and the disk's
+    free space), none of another run's."""
     from longft.measure.monitor import HostSampler
 
-    sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv", disk_dir=disk_dir)
+    sampler = HostSampler(root_pid=os.getpid(), csv_path=run_dir / "memory.csv")
     sampler.start()
     follow_parent()
     try:
         for attempt in range(PORT_RETRIES + 1):
+            if swap_root is not None:
+                sampler.watch_disk(_own_swap_dir(swap_root, _port_of(cmd)))
             code, taken, signalled = _launch(cmd, env, port)
             master = _port_of(cmd)
             if not (code and taken) or signalled:
@@ -215,6 +218,19 @@ def launch_ranks(cmd: list[str], env: dict, run_dir: Path, port: int | None = No
     if signalled and code != 0:
         return exit_code(signalled)  # 130 / 143 whatever the launcher makes of the ranks' exit
     return code
+
+
+def _own_swap_dir(root: Path, master: int | None) -> Path:
+    """This launch's swap directory (the ranks name it by their master port, engine/trainer.py),
+    emptied first: one that exists is a killed run's on the same port (the port is free, so no
+    live run owns it), and DeepSpeed would write over its files in place."""
+    from longft.engine.ds_config import nvme_run_path
+
+    own = Path(nvme_run_path(str(root), master))
+    if own.exists():
+        print(f"train: removing {own}, swap files a killed run left on this port", flush=True)
+        shutil.rmtree(own, ignore_errors=True)
+    return own
 
 
 def _launch(cmd: list[str], env: dict, port: int | None) -> tuple[int, bool, int | None]:
