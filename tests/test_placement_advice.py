@@ -339,3 +339,37 @@ def test_lora_planned_over_params_that_train_blocks_turns_the_blocks_off(tmp_pat
         assert ov["sparse"]["blocks"] == blocks and ov["lora"]["rank"] == (16 if lora else 0)
         merged = from_dict(merge(yaml.safe_load(params.read_text()), ov))
         assert not problems(merged), problems(merged)
+
+
+def test_every_suggested_change_is_a_placement_command_that_runs(tmp_path, monkeypatch, on, capsys):
+    """Each change the advice names comes with the flags that search it as the asked run
+    (`longft placement ... FLAGS`): they parse, and the block-sparse ones (over bf16 and nf4) find
+    the placement the advice found, blocks and base as planned."""
+    import shlex
+
+    from longft.cli.placement import _parser
+
+    monkeypatch.chdir(tmp_path)
+    on(CPU)
+    import longft.cli.placement_advice as advice_cli
+
+    seen = []
+    real = advice_cli.alternatives
+    monkeypatch.setattr(advice_cli, "alternatives", lambda *a: seen.extend(real(*a)) or seen)
+    asked = "--gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072".split()
+    assert main("placement", asked) == 1
+    sparse = [alt for alt in seen if alt.change.startswith("block-sparse")]
+    assert len(seen) > 4 and len(sparse) == 2 and any(alt.candidate for alt in sparse)
+    for alt in seen:
+        _parser().parse_args(asked + shlex.split(alt.flags))     # no unrecognised flag
+    for alt in sparse:
+        out = tmp_path / "ov.yaml"
+        capsys.readouterr()
+        rc = main("placement", asked + shlex.split(alt.flags) + ["--out", str(out)])
+        assert rc == (0 if alt.candidate else 1), capsys.readouterr().out  # searched as asked
+        if not alt.candidate:
+            continue
+        ov = yaml.safe_load(out.read_text())
+        s = alt.candidate.setup
+        assert ov["sparse"] == {"blocks": s.sparse_blocks, "block_size": s.sparse_block_size}
+        assert ov["lora"] == {"rank": 0, "quantize": "nf4" if "nf4" in alt.change else "none"}

@@ -3,11 +3,11 @@
     longft placement --gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072 \
         [--params params.yaml] [--lora any|none|RANK] [--quantize any|none|nf4|int8] \
         [--optimizer any|adamw|adamw_8bit|paged_adamw_8bit] [--optimizer-states any|fp32|bf16] \
-        [--nvme-path DIR] [--out overlay.yaml]
+        [--nvme-path DIR] [--sparse-blocks N [--sparse-block-size B]] [--out overlay.yaml]
 
 The search (longft.estimate.placement) covers what the params train (full-parameter, LoRA, QLoRA or
-block-sparse, over a bf16 or quantized base, and their optimizer); --lora, --quantize, --optimizer
-and --optimizer-states widen or pin it. The overlay keeps the base params' model, data and LoRA
+block-sparse, over a bf16 or quantized base, and their optimizer); --lora, --quantize, --optimizer,
+--optimizer-states and --sparse-blocks widen or pin it. The overlay keeps the base params' model, data and LoRA
 choices. When nothing fits (exit 1) it prints the longest context that fits for full-parameter, LoRA
 and QLoRA training and the smallest changes that make the asked run fit (longft.estimate.advice),
 each with its predicted speed, and the overlay of the smallest. docs/estimator.md has the search and
@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
                     "params' optim.name")
     ap.add_argument("--nvme-path", help="also search ZeRO-Infinity: optimizer states in files "
                     "under this directory (its free space is the disk budget)")
+    ap.add_argument("--sparse-blocks", type=integer(least=0, what="blocks"),
+                    help="block-sparse finetuning: blocks trained per target matrix (sparse.blocks; "
+                    "0: off), in place of the params' own (and of their LoRA). Default: the params'")
+    ap.add_argument("--sparse-block-size", type=integer(least=1, what="block size"),
+                    help="the blocks' side with --sparse-blocks (sparse.block_size). Default: the "
+                    "params'")
     return ap
 
 
@@ -146,6 +152,13 @@ def _config(a):
     over = {"data": {"max_seq_length": a.seq}, "hardware": {"num_gpus": a.gpus},
             "train": {"micro_batch_size": 1, "global_batch_size": a.gpus},
             **({"model": model_over} if model_over else {})}
+    if a.sparse_blocks is not None:   # blocks in place of the params' own and of their LoRA
+        over["sparse"] = {"blocks": a.sparse_blocks,
+                          **({"block_size": a.sparse_block_size} if a.sparse_block_size else {})}
+        if a.sparse_blocks:
+            over["lora"] = {"rank": 0}
+    elif a.sparse_block_size is not None:
+        over["sparse"] = {"block_size": a.sparse_block_size}
     cfg = load(a.params, over) if has_params else from_dict(over, a.params)
     return cfg, model_over, model_note
 

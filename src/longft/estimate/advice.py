@@ -201,7 +201,7 @@ def alternatives(arch: dict, base: Setup, ask: Ask) -> list[Alternative]:
         add(f"LoRA r={r}", f"--lora {r}", best_at(arch, base, seq, ask, lora))
     if full and not t.sparse_blocks:
         sparse = sparse_like(arch, lora)
-        flags = (f"-S sparse.blocks={sparse.sparse_blocks} -S sparse.block_size="
+        flags = (f"--sparse-blocks {sparse.sparse_blocks} --sparse-block-size "
                  f"{sparse.sparse_block_size}")
         note = f"as many trained parameters as LoRA r={r} (sparse.*: docs/models-and-lora.md)"
         add(sparse.name, flags, best_at(arch, base, seq, ask, sparse), note=note)
