@@ -36,3 +36,13 @@ def test_command_line_writes_the_json(tmp_path):
     got = json.loads(out.read_text())
     assert got["engine"] == "direct" and got["loops"] == 1 and got["queue_depth"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["bw.json"]
+
+
+def test_each_engine_reports_the_median_and_spread_of_its_loops(tmp_path):
+    bw = _module()
+    assert bw.spread([3.0, 1.0, 2.0], "read") == {"read_gib_s": 2.0, "read_gib_s_min": 1.0,
+                                                  "read_gib_s_max": 3.0}
+    assert bw.spread([4.0, 1.0], "write")["write_gib_s"] == 2.5
+    out = bw.direct(tmp_path, 4 * bw.BLOCK, 3)
+    for op in ("write", "read"):
+        assert 0 < out[f"{op}_gib_s_min"] <= out[f"{op}_gib_s"] <= out[f"{op}_gib_s_max"]

@@ -10,7 +10,9 @@ sequential 1 MiB O_DIRECT writes (fsync'd) then reads; a filesystem that refuses
 is measured buffered, with fsync and the page cache dropped for the file before the read, and the
 JSON says so. The direct engine has queue depth 1, so it can read lower than ds_io on an NVMe drive.
 
-Both write SIZE into a fresh folder under DIR and remove it. GiB/s are 2^30 bytes a second (ds_io
+Both write SIZE into a fresh folder under DIR and remove it, --loops times each way, and report
+each way's median GiB/s with the least and the most (`*_gib_s`, `*_gib_s_min`, `*_gib_s_max`;
+ds_io is called once a loop, since its own figure is a mean). GiB/s are 2^30 bytes a second (ds_io
 prints them as "GB/sec"). The JSON also records the filesystem of DIR and its free space, so a
 row measured on this disk can be scaled to another: the swapper reads and writes every optimizer
 state once a step, so a step's disk time is about disk_bytes / read + disk_bytes / write.
@@ -51,21 +53,36 @@ def filesystem(path: Path) -> dict:
             "total_gib": round(du.total / GIB, 2), "free_gib": round(du.free / GIB, 2)}
 
 
+def spread(gib_s: list[float], op: str) -> dict:
+    """One op's GiB/s over the loops: the median, the least and the most, each engine alike."""
+    xs = sorted(gib_s)
+    mid = len(xs) // 2
+    median = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    return {f"{op}_gib_s": round(median, 3), f"{op}_gib_s_min": round(xs[0], 3),
+            f"{op}_gib_s_max": round(xs[-1], 3)}
+
+
 def ds_io(folder: Path, size: int, loops: int) -> dict:
-    """DeepSpeed's ds_io, write then read; raises RuntimeError with its output's tail on failure."""
+    """DeepSpeed's ds_io, write then read, one loop a call (its own figure is the mean over its
+    loops); raises RuntimeError with its output's tail on failure."""
     speeds = {}
     for op in ("write", "read"):
-        cmd = [sys.executable, "-c", "from deepspeed.nvme import ds_io_main; ds_io_main()",
-               "--folder", str(folder), "--io_size", str(size), "--loops", str(loops),
-               "--block_size", str(AIO["block_size"]), "--queue_depth", str(AIO["queue_depth"]),
-               "--io_parallel", str(AIO["intra_op_parallelism"])] + (["--read"] if op == "read" else [])
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        m = re.search(rf"E2E {op.capitalize()} Speed = ([0-9.eE+-]+) GB/sec", p.stdout)
-        if p.returncode or not m:
-            tail = (p.stdout + p.stderr)[-2000:]
-            raise RuntimeError(f"ds_io {op} exited {p.returncode}: {tail}")
-        speeds[f"{op}_gib_s"] = round(float(m.group(1)), 3)
+        speeds.update(spread([_ds_io_once(folder, size, op) for _ in range(loops)], op))
     return {"engine": "ds_io", "aio": AIO, "loops": loops, **speeds}
+
+
+def _ds_io_once(folder: Path, size: int, op: str) -> float:
+    """One ds_io call of one loop: GiB/s of `op` (write or read)."""
+    cmd = [sys.executable, "-c", "from deepspeed.nvme import ds_io_main; ds_io_main()",
+           "--folder", str(folder), "--io_size", str(size), "--loops", "1",
+           "--block_size", str(AIO["block_size"]), "--queue_depth", str(AIO["queue_depth"]),
+           "--io_parallel", str(AIO["intra_op_parallelism"])] + (["--read"] if op == "read" else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    m = re.search(rf"E2E {op.capitalize()} Speed = ([0-9.eE+-]+) GB/sec", p.stdout)
+    if p.returncode or not m:
+        tail = (p.stdout + p.stderr)[-2000:]
+        raise RuntimeError(f"ds_io {op} exited {p.returncode}: {tail}")
+    return float(m.group(1))
 
 
 def _open(path: Path, flags: int) -> tuple[int, bool]:
@@ -76,11 +93,11 @@ def _open(path: Path, flags: int) -> tuple[int, bool]:
 
 
 def direct(folder: Path, size: int, loops: int) -> dict:
-    """Sequential 1 MiB blocks, O_DIRECT where the filesystem allows it; best of `loops`."""
+    """Sequential 1 MiB blocks, O_DIRECT where the filesystem allows it; each loop timed (spread)."""
     buf = mmap.mmap(-1, BLOCK)          # page-aligned, as O_DIRECT needs
     buf.write(os.urandom(BLOCK))
     f, n = folder / "bandwidth.bin", size // BLOCK
-    best = {"write": 0.0, "read": 0.0}
+    got: dict[str, list[float]] = {"write": [], "read": []}
     o_direct = True
     for _ in range(loops):
         fd, od = _open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -88,7 +105,7 @@ def direct(folder: Path, size: int, loops: int) -> dict:
         for _ in range(n):
             os.write(fd, buf)
         os.fsync(fd)
-        best["write"] = max(best["write"], n * BLOCK / (time.perf_counter() - t) / GIB)
+        got["write"].append(n * BLOCK / (time.perf_counter() - t) / GIB)
         os.close(fd)
         fd, od2 = _open(f, os.O_RDONLY)
         o_direct = o_direct and od and od2
@@ -97,10 +114,10 @@ def direct(folder: Path, size: int, loops: int) -> dict:
         t = time.perf_counter()
         while os.readv(fd, [buf]) == BLOCK:
             pass
-        best["read"] = max(best["read"], n * BLOCK / (time.perf_counter() - t) / GIB)
+        got["read"].append(n * BLOCK / (time.perf_counter() - t) / GIB)
         os.close(fd)
     return {"engine": "direct", "o_direct": o_direct, "block_size": BLOCK, "queue_depth": 1,
-            "loops": loops, "write_gib_s": round(best["write"], 3), "read_gib_s": round(best["read"], 3)}
+            "loops": loops, **spread(got["write"], "write"), **spread(got["read"], "read")}
 
 
 def aio_buildable() -> tuple[bool, str]:
