@@ -43,8 +43,8 @@ _registered: list = []
 
 
 def register_cpu_gemm_4bit(kernel) -> bool:
-    """`kernel` serves bitsandbytes::gemm_4bit on CPU tensors, once; False when registered already.
-    (The torch.library handle is kept: dropping it would unregister the kernel.)"""
+    """`kernel` serves bitsandbytes::gemm_4bit on CPU tensors, once (torch keeps the registration
+    for the process); False when registered already."""
     if _registered:
         return False
     import torch

@@ -39,6 +39,8 @@ POST_STEP = "_post_step"
 RESCALE = "unscale_and_clip_grads"
 """Divides sub-group i's gradients by loss scale x clip coefficient (clip_scale wraps it)."""
 PERSISTENT = "persistent_parameters"
+USE_MUON = "use_muon"
+"""Set in `__init__` (Muon's step work, which overlap_step leaves to DeepSpeed's own step)."""
 CACHE_FLUSHES = "n_caching_allocator_flushes"
 BACKUP = "backup_optimizer"
 """The GPU share's torch AdamW under offload_optimizer.ratio < 1 (partial_offload)."""
@@ -122,7 +124,7 @@ def step_start(o):
 
 def uses_muon(o) -> bool:
     """Whether the optimizer runs Muon (its step adds work overlap_step does not rebuild)."""
-    return bool(getattr(o, "use_muon", False))
+    return bool(getattr(o, USE_MUON, False))   # (gone: the plan turned overlap_step off)
 
 
 def swaps(o) -> bool:
@@ -191,6 +193,7 @@ ACCESSES = (
     _optimizer("overlap_step", "swap_optimizer"),
     _optimizer("overlap_step", "optimizer_swapper"),
     _optimizer("overlap_step", CACHE_FLUSHES),
+    _optimizer("overlap_step", USE_MUON),
     Access("overlap_step", COORDINATOR_MODULE, FETCH, owner=COORDINATOR),
     Access("overlap_step", COORDINATOR_MODULE, GATHER, owner=COORDINATOR),
     Access("overlap_step", COORDINATOR_MODULE, "__allgather_stream", owner=COORDINATOR, kind="instance"),

@@ -96,10 +96,18 @@ def merged_state_dict(model, sd: dict, quantize: str) -> dict:
         return merge_lora(sd, lora_layers(model))
     import torch
 
+    return _merged_over_dequantized(
+        model, sd, lambda full: merge_lora(full, lora_layers(model), dtype=torch.float32))
+
+
+def _merged_over_dequantized(model, sd: dict, merge) -> dict:
+    """`merge` of the state dict with the quantized base de-quantized in fp32 (as training's forward
+    saw it), every floating tensor stored in fp32: the one rule of a merge over a quantized base."""
+    import torch
+
     from longft.model.quantize import dequantized_state_dict
 
-    full = dequantized_state_dict(model, sd, torch.float32)
-    merged = merge_lora(full, lora_layers(model), dtype=torch.float32)
+    merged = merge(dequantized_state_dict(model, sd, torch.float32))
     return {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
 
 
@@ -113,13 +121,7 @@ def sparse_merged_state_dict(model, sd: dict, quantize: str) -> dict:
 
     if quantize == "none":
         return block_sparse.merged_state_dict(sd)
-    import torch
-
-    from longft.model.quantize import dequantized_state_dict
-
-    full = dequantized_state_dict(model, sd, torch.float32)
-    merged = block_sparse.merged_state_dict(full)
-    return {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
+    return _merged_over_dequantized(model, sd, block_sparse.merged_state_dict)
 
 
 def base_record(cfg: Config, dtype) -> dict:
