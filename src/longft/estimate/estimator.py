@@ -142,6 +142,14 @@ def _measured(d: dict, *keys):
     return d if isinstance(d, (int, float)) else None
 
 
+def rel_error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured, 4 decimals; None where either is missing or measured is 0.
+    Every predicted-against-measured number of a run is this (memory here, disk in peak_disk)."""
+    if predicted is None or not measured:
+        return None
+    return round((predicted - measured) / measured, 4)
+
+
 def compare(predicted: dict, train_metrics: dict) -> dict:
     """Predicted vs measured peaks (GiB) and relative error (predicted - measured) / measured.
 
@@ -158,8 +166,8 @@ def compare(predicted: dict, train_metrics: dict) -> dict:
     out = {}
     for name, (pred, keys) in rows.items():
         meas = _measured(train_metrics, *keys)
-        err = None if not meas else round((pred / GIB - meas) / meas, 4)
-        out[name] = {"predicted_gib": gib(pred), "measured_gib": meas, "rel_error": err}
+        out[name] = {"predicted_gib": gib(pred), "measured_gib": meas,
+                     "rel_error": rel_error(pred / GIB, meas)}
     return out
 
 

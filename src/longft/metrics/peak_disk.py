@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from longft.estimate.estimator import rel_error
+
 GIB = 1024**3
 
 
@@ -33,7 +35,7 @@ def peak_disk(mon: dict, estimate: dict | None) -> dict:
         "swap_peak_bytes": peak, "swap_gib": _gib(peak),
         "swap_peak_t": round(t - t0, 2) if _bytes(t) is not None and _bytes(t0) is not None else None,
         "predicted_gib": _gib(pred),
-        "rel_error": round((pred - peak) / peak, 4) if pred is not None and peak else None,
+        "rel_error": rel_error(pred, peak),
         "free_start_gib": _gib(_bytes(mon.get("disk_free_start_bytes"))),
         "free_min_gib": _gib(_bytes(mon.get("disk_free_min_bytes"))),
         "free_end_gib": _gib(_bytes(mon.get("disk_free_end_bytes")))}}
