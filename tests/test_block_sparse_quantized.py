@@ -12,6 +12,7 @@ from longft.config.params import ConfigError, from_dict
 from longft.engine import block_warmup
 from longft.model import block_sparse as bs
 from longft.model.quantize import dequantized_state_dict, quantize_linears
+from test_block_sparse import _Engine  # the warm-up's engine: the model, on the CPU
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -40,15 +41,6 @@ def _rows(n=8, seq=16, seed=1):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 64, (n, seq), generator=g)
     return [{"input_ids": r, "labels": r.clone(), "position_ids": torch.arange(seq)} for r in ids]
-
-
-class _Engine(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.module, self.device = model, torch.device("cpu")
-
-    def forward(self, **kw):
-        return self.module(**kw)
 
 
 def _cfg(seed=7):
