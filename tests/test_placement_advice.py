@@ -373,3 +373,21 @@ def test_every_suggested_change_is_a_placement_command_that_runs(tmp_path, monke
         s = alt.candidate.setup
         assert ov["sparse"] == {"blocks": s.sparse_blocks, "block_size": s.sparse_block_size}
         assert ov["lora"] == {"rank": 0, "quantize": "nf4" if "nf4" in alt.change else "none"}
+
+
+def test_sparse_blocks_asked_over_lora_params_train_blocks_in_place_of_the_adapters(tmp_path,
+                                                                                    monkeypatch, on):
+    """--sparse-blocks over params that train LoRA searches the blocks instead: the overlay sets
+    the blocks and lora.rank 0, and merged onto the params it is a config that runs."""
+    monkeypatch.chdir(tmp_path)
+    on(CPU)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"lora": {"rank": 16}}))
+    out = tmp_path / "ov.yaml"
+    assert main("placement", ["--gpu-mem", "80", "--host-mem", "120", "--model", "llama3.2-1b",
+                              "--seq", "16384", "--params", str(params), "--out", str(out),
+                              "--sparse-blocks", "25", "--sparse-block-size", "64"]) == 0
+    ov = yaml.safe_load(out.read_text())
+    assert ov["sparse"] == {"blocks": 25, "block_size": 64} and ov["lora"]["rank"] == 0
+    merged = from_dict(merge(yaml.safe_load(params.read_text()), ov))
+    assert not problems(merged), problems(merged)
