@@ -15,14 +15,27 @@ from longft.model.architecture import attention_dims, is_lora_target
 
 
 def dims(arch: dict) -> dict:
-    """The architecture numbers the formulas use, under short names (h, I, L, H, kv, d, V)."""
+    """The architecture numbers the formulas use, under short names (h, I, L, H, kv, d, V), and
+    which linears have a bias."""
     h, heads = int(arch["hidden_size"]), int(arch["num_attention_heads"])
     d, kv = attention_dims(h, heads, arch.get("head_dim"), arch.get("num_key_value_heads"))
     return {"h": h, "I": int(arch["intermediate_size"]), "L": int(arch["num_hidden_layers"]),
             "H": heads, "kv": kv, "d": d,
             "V": int(arch["vocab_size"]), "tied": bool(arch.get("tie_word_embeddings")),
-            # Qwen2 has q/k/v biases without saying so in its config.
-            "qkv_bias": bool(arch.get("attention_bias")) or arch.get("model_type") == "qwen2"}
+            "biased": biased_linears(arch)}
+
+
+def biased_linears(arch: dict) -> tuple[str, ...]:
+    """The decoder linears that have a bias, as transformers builds them: Qwen2 has q/k/v biases
+    without saying so in its config, Mistral none; Llama-style configs put `attention_bias` on
+    q/k/v/o and `mlp_bias` on the MLP's three."""
+    kind = arch.get("model_type")
+    if kind == "qwen2":
+        return ("q_proj", "k_proj", "v_proj")
+    if kind == "mistral":
+        return ()
+    return ((("q_proj", "k_proj", "v_proj", "o_proj") if arch.get("attention_bias") else ())
+            + (("gate_proj", "up_proj", "down_proj") if arch.get("mlp_bias") else ()))
 
 
 def _linear_shapes(a: dict) -> dict[str, tuple[int, int]]:
@@ -38,7 +51,7 @@ def layer_params(arch: dict) -> list[tuple[str, int]]:
     out = []
     for name, (i, o) in _linear_shapes(a).items():
         out.append((name, i * o))
-        if a["qkv_bias"] and name in ("q_proj", "k_proj", "v_proj"):
+        if name in a["biased"]:
             out.append((name + ".bias", o))
     return out + [("input_layernorm", a["h"]), ("post_attention_layernorm", a["h"])]
 
@@ -180,7 +193,7 @@ def _arch_key(arch: dict) -> tuple:
 
 @functools.lru_cache(maxsize=512)
 def _sizes(key: tuple, N: int, lora_rank: int, targets: tuple, quantize: str,
-           sub_group_size: int, *, sparse: tuple = (0, 64, ())) -> dict:
+           sub_group_size: int, *, sparse: tuple) -> dict:
     """numbers()'s parameter counts, which the search asks for many times over (cached)."""
     arch = dict(key)
     s = Setup(1, 1, world_size=N, lora_rank=lora_rank, lora_targets=targets, quantize=quantize,

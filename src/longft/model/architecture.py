@@ -7,7 +7,7 @@ from typing import Optional
 
 ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-             "tie_word_embeddings", "max_position_embeddings")
+             "tie_word_embeddings", "max_position_embeddings", "attention_bias", "mlp_bias")
 
 
 def attention_dims(hidden_size: int, num_attention_heads: int, head_dim: Optional[int] = None,
