@@ -1,4 +1,4 @@
-"""Where does QLoRA's activation surplus come from? (issue 31; `QLORA_SURPLUS_H` in
+"""Where does QLoRA's activation surplus come from? (issue 31; `FROZEN_BASE_SURPLUS_H` in
 src/longft/estimate/quantized.py.) One Llama-3.1-8B decoder layer (h 4096, MLP 14336, 32 / 8 heads)
 on the GPU, LoRA r16 on all seven projections, forward and backward at two lengths: the slope of
 torch's peak allocated memory per token, in units of x·h (2 B x 4096), for plain LoRA, NF4 QLoRA and

@@ -36,7 +36,7 @@ LORA_ROWS = ("q3-1b-16k-lora8", "q3-1b-16k-lora64", "q3-8b-128k-lora8", "q3-8b-1
 # Known misses (issue 6), strict: fixing one turns its test red.
 KNOWN_MISSES = {
     # 8B QLoRA at 352,256 tokens on an emulated 80 GiB card (0efa3c8): allocated 48.68 GiB against
-    # 54.55 predicted (+12 %, on the safe side). Without QLORA_SURPLUS_H (counted per token: 13.2
+    # 54.55 predicted (+12 %, on the safe side). Without FROZEN_BASE_SURPLUS_H (counted per token: 13.2
     # GiB here) the items say 41.40, so the unitemised surplus was 7.3 GiB, against 1.2 at 32K and
     # 106K: neither constant nor per token (bench/LOG.md). NVML was within 0.1 %.
     ("h200-8b-qlora-352k-cap80.json", "vram_max_allocated"),
@@ -92,10 +92,21 @@ KNOWN_MISSES = {
     # and its 9746e9e rows with the step overlapped and not (61.3-65.4 GiB reserved for 48.7)
     *((f"h200-1b-16k-offload-w2mem-fa4-{r}.json", k) for r in ("off", "overlap", "overlap-5e7")
       for k in ("vram_max_reserved", "vram_nvml_used")),
+    # QLoRA and block-sparse over NF4 on the emulated 24 GiB card (2026-12-05, 504ca60): random
+    # init of a model about to be quantized is built on the GPU (engine/build.py), where a
+    # pretrained one, what the estimate counts, loads on the host first (13.3 GiB): 18.26 GiB
+    # predicted, 11.48-11.88 measured, the measured peak being the steady one (10.8 predicted).
+    *((f"h200-8b-{r}-32k-cap24.json", "dram_rss_tree") for r in ("qlora", "sparse-nf4")),
+    # QLoRA's NVML count is 5.7 GiB above torch's reserved (20.20 against 14.46; the same in the
+    # 50cade2 run), where block-sparse over the same NF4 base has 2.3 (a CUDA context): memory
+    # outside torch's allocator, not attributed.
+    ("h200-8b-qlora-32k-cap24.json", "vram_nvml_used"),
 }
 # The same LoRA rows peak after start-up, where the estimate (with its start-up constant) says
-# start-up; strict too: the moment test asserts these are still mispredicted.
-MOMENT_MISSES = {f"{row}.json" for row in LORA_ROWS}
+# start-up; strict too: the moment test asserts these are still mispredicted. And the two
+# random-init NF4 rows above, for the same reason as their host peak.
+MOMENT_MISSES = {f"{row}.json" for row in LORA_ROWS} | {
+    f"h200-8b-{r}-32k-cap24.json" for r in ("qlora", "sparse-nf4")}
 METRICS = ("vram_max_allocated", "vram_max_reserved", "vram_nvml_used", "dram_rss_tree")
 
 
@@ -257,7 +268,7 @@ def test_8b_context_reach_on_one_h200(report, overlay, gpu_within):
 def test_qlora_rows_on_the_emulated_24_gib_card():
     """QLoRA (issue 31) on the H200 capped to a 24 GiB card. The 32K row (its train status complete;
     the raw status records the device call's timeout after the run) is the one the surplus
-    (quantized.QLORA_SURPLUS_H) was fitted to: within 5 % of its peak allocated checks the item's
+    (quantized.FROZEN_BASE_SURPLUS_H) was fitted to: within 5 % of its peak allocated checks the item's
     arithmetic, not the fit. The 128K row is the independent check: it ran out of memory under its
     cap, and the estimate must not say it fits (the items alone said it did)."""
     cfg, row, c = _predicted_vs_measured(REPO / "bench/results/h200-8b-qlora-32k-cap24.json")
@@ -266,3 +277,17 @@ def test_qlora_rows_on_the_emulated_24_gib_card():
     cfg, row, c = _predicted_vs_measured(REPO / "bench/results/h200-8b-qlora-128k-cap24.json")
     assert "CUDA out of memory" in "\n".join(row["log_tail"])
     assert c["vram_max_reserved"]["predicted_gib"] > cfg.hardware.vram_limit_gib, c
+
+
+def test_frozen_base_rows_of_one_lease_on_the_emulated_24_gib_card():
+    """The 2026-12-05 lease's bf16 rows (issue 51) that showed the surplus is a frozen base's, not
+    bitsandbytes': LoRA r16 at micro-batch 2 ran out of memory under the cap where its placement
+    said 19.85 GiB (the estimate must now say it does not fit), and block-sparse over bf16 weights
+    allocated 1.92 GiB above its items (now within 5 %); block-sparse over NF4 stays within 1 %."""
+    cfg, row, c = _predicted_vs_measured(REPO / "bench/results/h200-8b-lora-32k-cap24-mb2.json")
+    assert "CUDA out of memory" in "\n".join(row["log_tail"]) and cfg.lora.quantize == "none"
+    assert c["vram_max_allocated"]["predicted_gib"] > cfg.hardware.vram_limit_gib, c
+    for name, within in (("h200-8b-sparse-32k-cap24", 0.05), ("h200-8b-sparse-nf4-32k-cap24", 0.01)):
+        cfg, row, c = _predicted_vs_measured(REPO / f"bench/results/{name}.json")
+        assert row["status"] == "ok" and cfg.sparse.blocks == 46, name
+        assert abs(c["vram_max_allocated"]["rel_error"]) < within, (name, c["vram_max_allocated"])

@@ -51,3 +51,11 @@ def test_no_target_and_no_quantized_base_count_zero():
     qlora = numbers(arch, dataclasses.replace(Setup(1, 128), lora_rank=4, quantize="nf4",
                                              lora_targets=("q_proj", "v_proj")))
     assert qlora.biggest_q == 64 * 64 and qlora.Pq == (64 * 64 + 64 * 32) * TINY["num_hidden_layers"]
+
+
+def test_rank_one_lora_and_fp32_element_bytes():
+    arch = dict(TINY, model_type="llama")
+    s = Setup(1, 128, lora_rank=1, lora_targets=("q_proj",))
+    assert trainable_numels(arch, s) == [1 * 64, 64 * 1] * TINY["num_hidden_layers"]
+    assert numbers(arch, dataclasses.replace(s, precision="fp32")).w == 4
+    assert numbers(arch, s).w == 2

@@ -198,8 +198,9 @@ def test_shipped_bench_results_render():
     rows, notes = report.build_rows(run_sources.runs_from_bench(REPO / "bench" / "results")[0])
     assert rows and all(r.device == "H200" for r in rows)
     # the shipped rows that did not complete are the out-of-memory ones: the expected one under a
-    # 16 GiB cap, and 8B QLoRA at 128K under a 24 GiB cap (bench/LOG.md)
+    # 16 GiB cap, 8B QLoRA at 128K and 8B LoRA at micro-batch 2 under a 24 GiB cap (bench/LOG.md)
     assert notes == ["h200-1b-16k-cap16-oom: incomplete run (status incomplete)",
+                     "h200-8b-lora-32k-cap24-mb2: incomplete run (status incomplete)",
                      "h200-8b-qlora-128k-cap24: incomplete run (status incomplete)"]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from longft.estimate.arch import Numbers, dims, layer_params
-from longft.estimate.quantized import QLORA_SURPLUS_H, adam8_state_bytes, dequant_workspace_bytes
+from longft.estimate.quantized import FROZEN_BASE_SURPLUS_H, adam8_state_bytes, dequant_workspace_bytes
 from longft.estimate.types import LOSS_CHUNK_MEM, PHASES, Item, Setup
 from longft.model.tiled_mlp import tiles
 
@@ -62,6 +62,13 @@ def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
     recompute = saved + max(2 * x * h, int8_forward_bytes(arch, s))
     return {"saved": saved, "peak": max(peak_mlp, peak_attn, recompute),
             "mlp_peak": peak_mlp, "attn_peak": peak_attn}
+
+
+def frozen_base_surplus(s: Setup) -> bool:
+    """Whether the measured surplus (quantized.FROZEN_BASE_SURPLUS_H) is counted: NF4 QLoRA, and a
+    frozen base (LoRA or block-sparse) under checkpoint offload, where the 24 GiB rows measured it."""
+    frozen = s.lora_rank > 0 or s.sparse_blocks > 0
+    return s.quantize == "nf4" or (frozen and s.checkpointing == "cpu_offload")
 
 
 def int8_forward_bytes(arch: dict, s: Setup) -> int:
@@ -290,9 +297,10 @@ def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         f"{n_saved} x micro x seq x {act['saved']:,} B/token")
     gpu("backward transients of one layer", T * (act["peak"] - act["saved"]), ("backward",),
         f"micro x seq x {act['peak'] - act['saved']:,} B/token (peak {act['peak']:,} B/token)")
-    if s.quantize == "nf4":
-        gpu("QLoRA: measured surplus, not itemised", T * round(QLORA_SURPLUS_H * x * h), ("backward",),
-            f"micro x seq x {QLORA_SURPLUS_H} x h x {x} B (the 24 GiB QLoRA row, docs/estimator.md)")
+    if frozen_base_surplus(s):
+        gpu("frozen base: measured surplus, not itemised", T * round(FROZEN_BASE_SURPLUS_H * x * h),
+            ("backward",), f"micro x seq x {FROZEN_BASE_SURPLUS_H} x h x {x} B (the 24 GiB rows, "
+            "docs/estimator.md)")
     gpu("final layer output + norm output", 2 * ckpt, ("loss",), "2 x micro x seq x h x B")
     if s.liger:
         chunk = min(1 << (math.ceil(T / math.ceil(V / (LOSS_CHUNK_MEM * h))) - 1).bit_length(), T)

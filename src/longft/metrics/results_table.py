@@ -88,6 +88,9 @@ CURRENT = (
     Current("LoRA rank 8, no offload", "q3-8b-128k-lora8"),
     Current("a 24 GiB card with 60 GiB of RAM, emulated: QLoRA, packed documents",
             "h200-8b-qlora-32k-cap24"),
+    Current("the same card, block-sparse (46 blocks of 64^2 a matrix, LoRA r16's parameter count)",
+            "h200-8b-sparse-32k-cap24"),
+    Current("the same card, block-sparse over an NF4 base", "h200-8b-sparse-nf4-32k-cap24"),
     Current("2 GPUs", "h200x2-1b-16k-gpu"),
     Current("2 GPUs, one sequence per GPU", "h200x2-8b-128k-shared"),
 )
@@ -142,6 +145,10 @@ def _setup(doc: dict) -> str:
     if p.get("lora", {}).get("rank"):
         q = p["lora"].get("quantize", "none")
         parts.append(f"LoRA r{p['lora']['rank']}" + (f" on {q} weights (QLoRA)" if q != "none" else ""))
+    elif p.get("sparse", {}).get("blocks"):
+        sp, q = p["sparse"], p.get("lora", {}).get("quantize", "none")
+        parts.append(f"block-sparse {sp['blocks']} x {sp.get('block_size', 64)}^2"
+                     + (f" on {q} weights" if q != "none" else ""))
     if hw.get("vram_limit_gib"):
         parts.append(f"VRAM capped at {hw['vram_limit_gib']} GiB")
     mode = ck.get("mode")
