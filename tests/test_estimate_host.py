@@ -2,6 +2,7 @@
 estimator replays it (a block freed stays resident until the cache is emptied, and the peak before
 the emptying is the start-up item), and ZeRO-1/2's host buffers under CPU offload."""
 
+from longft.estimate.arch import trainable_numels
 from longft.estimate.estimator import LAUNCHER_BASE_BYTES, RANK_BASE_BYTES, Setup, estimate
 from longft.estimate.host import pinned_peak, pinned_pool
 
@@ -73,3 +74,25 @@ def test_the_optimizer_items_say_which_share_of_the_sub_groups_is_on_the_host():
     half = formulas(offload_ratio=0.5)
     assert half["optimizer: fp32 master"] == (4 * P, "1 x 4 B x 141,632 (offload_ratio 0.5: 1 of 1 sub-groups)")
     assert half["optimizer: Adam m, v (CPU Adam)"][1].endswith("(offload_ratio 0.5: 1 of 1 sub-groups)")
+
+
+def test_offloaded_parameters_of_a_frozen_base_stay_in_zero_inits_blocks():
+    """ZeRO-3 with offload_param: zero.Init pins each parameter's partition, and the optimizer moves
+    the parameters it owns into one buffer. In full finetuning that is every parameter (the
+    per-parameter blocks are freed, and only the start-up peak holds both); under LoRA or
+    block-sparse the frozen base keeps its blocks and the buffer holds the trained ones alone."""
+    from longft.estimate.arch import param_numels
+    from longft.estimate.host import pinned
+
+    base = dict(micro_batch=1, seq_len=128, zero_stage=3, offload_optimizer=True, offload_param=True)
+    full = host(estimate(SMALL, Setup(**base)))
+    assert full["weights: partitions (pinned)"] == pinned(2 * 141_632)
+    assert not any("frozen" in k for k in full)
+    per_param = sum(pinned(2 * n) for _, n in param_numels(SMALL))
+    for frozen in (Setup(**base, lora_rank=4, lora_targets=("q_proj", "v_proj")),
+                   Setup(**base, sparse_blocks=1, sparse_block_size=16, sparse_targets=("q_proj",))):
+        e = host(estimate(SMALL, frozen))
+        trained = sum(trainable_numels(SMALL, frozen))
+        assert e["weights: frozen partitions (pinned)"] == per_param, frozen
+        assert e["weights: trained partitions (pinned)"] == pinned(2 * trained), frozen
+        assert "weights: partitions (pinned)" not in e
