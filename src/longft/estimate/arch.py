@@ -208,7 +208,7 @@ def _sizes(key: tuple, N: int, lora_rank: int, targets: tuple, quantize: str,
         P=sum(n for _, n in params), P_r=sum(share(n, N) for _, n in params),
         Pt_r=sum(share(n, N) for n in trainable), groups=tuple(groups),
         layer=sum(n for _, n in per_layer), biggest=max(n for _, n in per_layer),
-        largest=max(trainable, default=0), adapters=sum(trainable) if lora_rank > 0 or sparse[0] > 0 else 0,
+        largest=max(trainable, default=0), adapters=sum(trainable) if s.frozen_base else 0,
         Pq=sum(i * o for i, o in quant),
         quant_bytes=sum(quantized_weight_bytes(quantize, i, o) for i, o in quant),
         biggest_q=max((i * o for i, o in quant), default=0))

@@ -117,10 +117,9 @@ def host_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         names[key] = name
 
     if s.offload_param:      # zero.Init pins each partition, then the optimizer moves them to one buffer
-        # Only the parameters the optimizer owns move: under LoRA or block-sparse (adapters) the
-        # frozen base keeps zero.Init's blocks, and the buffer holds the trained ones alone (the
-        # block-sparse row h200-8b-sparse-32k-cap24: 24.55 GiB measured, 37.85 when counted as full)
-        frozen = n.adapters > 0
+        # Only the parameters the optimizer owns move (DeepSpeed sizes the buffer from the trainable
+        # groups): a frozen base keeps zero.Init's blocks, and the buffer holds the trained ones
+        frozen = s.frozen_base
         for i, (_, m) in enumerate(n.params):
             alloc(f"init:{i}", w * share(m, N), "weights: frozen partitions (pinned)" if frozen else "")
         alloc("lp", w * (n.Pt_r if frozen else n.P_r),

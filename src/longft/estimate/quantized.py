@@ -27,20 +27,7 @@ ADAM8_BLOCK = 256
 ADAM8_QMAPS = 2 * 256 * 4
 """Per tensor the 8-bit optimizer steps: the two 256-entry fp32 quantization maps (qmap1, qmap2)."""
 EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
-FROZEN_BASE_SURPLUS_H = 4.9
-"""A frozen base's measured surplus over the itemised estimate, per token in units of `x·h` (the
-activation dtype's bytes times the hidden size), counted for NF4 QLoRA and for any frozen base
-(LoRA or block-sparse, quantized or not) under checkpoint offload. Fitted on the emulated 24 GiB
-row at 32K tokens (`h200-8b-qlora-32k-cap24`: 4.88 of them per token more than the items; its 128K
-twin ran out of memory where the items alone said it fits). The same lease's bf16 rows
-(2026-12-05, bench/LOG.md) show it is not bitsandbytes': block-sparse over bf16 weights allocated
-7.7 `x·h` per token more than the items, and LoRA at micro-batch 2 ran out of memory 2.25 GiB
-above its items (> 4.5 per token); full-parameter rows with the same checkpoint offload, and LoRA
-rows with checkpoints on the GPU, need none. Not yet attributed (scripts/qlora_memory_probe.py
-finds none per token inside a decoder layer; over the items it was 1.2 GiB at 32K and 106K, 7.3 GiB
-at 352K on the 80 GiB row: neither constant nor per token); counted per token and untiled, so that
-the planner does not offer a run that runs out of memory (12-16 % high at 106K and 352K). int8 has
-no measured row and no surplus."""
+
 
 
 def _ceil(a: int, b: int) -> int:

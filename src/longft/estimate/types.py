@@ -121,6 +121,11 @@ class Setup:
     sequence_parallel: int = 1       # hardware.sequence_parallel: each rank holds seq / N tokens
 
     @property
+    def frozen_base(self) -> bool:
+        """The base weights are frozen: LoRA's adapters or block-sparse's blocks train beside them."""
+        return self.lora_rank > 0 or self.sparse_blocks > 0
+
+    @property
     def local_tokens(self) -> int:
         """Tokens of a micro-step on one rank: micro x seq, over N ranks of a sequence."""
         return self.micro_batch * self.seq_len // self.sequence_parallel
