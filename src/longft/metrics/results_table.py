@@ -147,7 +147,7 @@ def _setup(doc: dict) -> str:
         parts.append(f"LoRA r{p['lora']['rank']}" + (f" on {q} weights (QLoRA)" if q != "none" else ""))
     elif p.get("sparse", {}).get("blocks"):
         sp, q = p["sparse"], p.get("lora", {}).get("quantize", "none")
-        parts.append(f"block-sparse {sp['blocks']} x {sp.get('block_size', 64)}^2"
+        parts.append(f"block-sparse {sp['blocks']} x {sp['block_size']}^2"
                      + (f" on {q} weights" if q != "none" else ""))
     if hw.get("vram_limit_gib"):
         parts.append(f"VRAM capped at {hw['vram_limit_gib']} GiB")
