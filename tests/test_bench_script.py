@@ -49,3 +49,22 @@ def test_write_params_writes_the_merge(tmp_path):
     assert cfg.model.name == "llama3.2-1b" and cfg.zero.offload_optimizer == "cpu"
     assert cfg.checkpointing.mode == "gpu" and "bench_note" not in written
     assert not list((tmp_path).glob("*.json")), "nothing was run"
+
+
+def test_poll_batch_prints_the_log_and_packs_what_the_batch_wrote(tmp_path):
+    """bench/poll_batch.sh, the `wait` of the GPU machine's background batches: it returns at the
+    "== done" line, prints the log's tail and packs the named paths into $OUT."""
+    import tarfile
+
+    batch, out = tmp_path / "batch", tmp_path / "out"
+    (batch / "out" / "results").mkdir(parents=True)
+    out.mkdir()
+    (batch / "out" / "results" / "row.json").write_text("{}")
+    (batch / "log").write_text("== start\n" + "x" * 100 + "\n== done (12:00:00)\n")
+    got = subprocess.run(["bash", str(REPO / "bench" / "poll_batch.sh"), str(batch), "30", "b.tgz",
+                          "out", "log"], capture_output=True, text=True, timeout=30,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(out), "POLL_S": "600"})  # returns at "== done"
+    assert got.returncode == 0 and got.stdout.endswith("== done (12:00:00)\n")
+    assert len(got.stdout) == 30
+    with tarfile.open(out / "b.tgz") as t:
+        assert {"out/results/row.json", "log"} <= set(t.getnames())

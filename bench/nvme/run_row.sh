@@ -81,11 +81,6 @@ b.load(verbose=True); print(f'async_io built and loaded in {time.time()-t:.0f} s
   wait) ;;
   *) echo "run_row.sh: start or wait" >&2; exit 2 ;;
 esac
-for ((i = 0; i < POLL_S; i += 10)); do
-  grep -q "^== done" "$W/log" 2>/dev/null && break
-  sleep 10
-done
-tail -c 6000 "$W/log"
+POLL_S=$POLL_S bash bench/poll_batch.sh "$W" 6000 nvme.tgz out log
 tail -5 "$W/out/results/$ROW.log" 2>/dev/null
-[ -n "${OUT:-}" ] && tar czf "$OUT/nvme.tgz" -C "$W" out log 2>/dev/null
 exit 0

@@ -64,10 +64,4 @@ case $cmd in
   wait) ;;
   *) echo "side_by_side.sh: install, start or wait" >&2; exit 2 ;;
 esac
-for ((i = 0; i < POLL_S; i += 10)); do
-  grep -q "^== done" "$W/log" 2>/dev/null && break
-  sleep 10
-done
-tail -c 5000 "$W/log"
-[ -n "${OUT:-}" ] && tar czf "$OUT/side.tgz" -C "$W" out log 2>/dev/null
-exit 0
+POLL_S=$POLL_S bash bench/poll_batch.sh "$W" 5000 side.tgz out log
