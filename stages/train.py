@@ -29,9 +29,10 @@ from longft.config.plan import Plan
 from longft.engine.ds_config import nvme_swap_root
 from longft.engine.trajectory import fingerprint, trajectory
 from longft.errors import UserError
+from longft.run.coverage import coverage_note
 from longft.run.earlier import Earlier
 from longft.run.launch import command, environment, launch_ranks, master_port
-from longft.run.preflight import host_memory, writable
+from longft.run.preflight import gpu_memory, host_memory, writable
 
 
 def partial_metrics(run_dir: Path, plan_path: Path, out: Path) -> None:
@@ -69,6 +70,9 @@ def main() -> int:
         if meta["max_seq_length"] != cfg.data.max_seq_length:
             raise ConfigError([f"data.max_seq_length is {cfg.data.max_seq_length} but {a.data} was "
                                f"prepared at {meta['max_seq_length']}; run `dvc repro` (prepare)"])
+        note = coverage_note(cfg, meta)  # a step count that leaves most of the user's rows out
+        if note:
+            print(note, flush=True)
         device = plan.resolved.device.value
         worker = ["--params", a.params, "--plan", a.plan, "--ds-config", a.ds_config,
                   "--data", a.data, "--run", a.run]
@@ -87,9 +91,9 @@ def main() -> int:
         if "--checkpoints" in worker:
             outs["checkpoint directory"] = Path(a.checkpoints)
         writable(outs, beside=("export directory",))
-        note = host_memory(cfg, plan)
-        if note:
-            print(f"train: {note}")
+        for note in (host_memory(cfg, plan), gpu_memory(cfg, plan, device)):
+            if note:
+                print(f"train: {note}")
     except FileNotFoundError as e:
         print(f"longft train: {e.filename} is missing; run `dvc repro` (prepare and patch first)",
               file=sys.stderr)

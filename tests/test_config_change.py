@@ -64,7 +64,9 @@ def test_a_changed_lr_keeps_the_earlier_checkpoints_and_setting_it_back_resumes_
     line = next(x for x in out.splitlines() if "checkpoints of another configuration" in x)
     assert "(step-4, step-2;" in line and f"kept in {kept}/" in line
     assert "params that differ from this run's: optim.lr 0.001 -> 0.002" in line
-    assert "Set them back to resume it" in line and f"rm -r {kept}" in line
+    # the first run completed: set back, it resumes its newest periodic checkpoint, not final/
+    assert "Its run completed: set back, a run resumes its step-4 and trains the steps after it " \
+        "again" in line and f"rm -r {kept}" in line
     assert "starting at step 0: no checkpoint of this configuration" in out
     assert "resumed from" not in out
     # the first run's checkpoints, every file unchanged, and its measurements, beside the new run's
@@ -79,7 +81,8 @@ def test_a_changed_lr_keeps_the_earlier_checkpoints_and_setting_it_back_resumes_
     # lr set back: the first run's checkpoints come back and resume at step 4, on its own curve
     shutil.rmtree(work / "checkpoints" / "other" / fp_first / "step-2")  # a user freeing space
     out = run_stage("train", change(work, optim={"lr": 1e-3}))
-    assert "brought back from" in out and "resuming from" in out and "step-4" in out
+    assert "brought back from" in out and "(its params were set back; its run completed)" in out
+    assert "resuming from" in out and "step-4" in out
     assert "resumed from" in out
     got = losses(work)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from longft.config.params import from_dict
+from longft.config.params import ConfigError, from_dict
 from longft.data.errors import BadRecords, DataError
 from longft.data.prepare import length_histogram, prepare
 from longft.data.records import RecordReader
@@ -103,6 +103,35 @@ def test_skip_mode_counts_bad_records_by_reason(tmp_path):
     assert len(list(r)) == 2
     assert r.records_read == 5
     assert r.bad.counts == {"bad_json": 1, "empty_messages": 1, "missing_key": 1}
+
+
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_a_file_mixing_layouts_says_where_the_layout_came_from_not_skip(tmp_path, mode):
+    """Walkthrough finding 11: `text` first, `messages` later. Skipping would drop every chat
+    record, so neither mode skips it, and the error does not suggest it."""
+    p = write_jsonl(tmp_path / "d.jsonl", [{"text": "a document"}, CHAT])
+    with pytest.raises(DataError) as e:
+        list(reader(p, mode=mode))
+    assert str(e.value) == (
+        f"{p}:2: a 'messages' record, but data.format auto took the layout 'text' from the first "
+        f"record ({p}:1), and one file holds one layout; split the file into one file per layout, "
+        f"or set data.format to the layout to train on")
+    # a layout set by hand: the other records are ordinary bad records (skip drops them, counted)
+    r = reader(p, mode="skip", format="text")
+    assert [x.text for x in r] == ["a document"] and r.bad.counts == {"missing_key": 1}
+
+
+def test_data_path_given_as_a_list_is_one_problem_with_the_fix():
+    with pytest.raises(ConfigError) as e:
+        from_dict({"data": {"source": "jsonl", "path": ["a.jsonl", "b.jsonl"]}})
+    assert e.value.problems == [
+        "data.path: one path, got a list of 2 (['a.jsonl', 'b.jsonl']); a run reads one file "
+        "(concatenate jsonl files into one: `cat a.jsonl b.jsonl > all.jsonl`), or one directory "
+        "of .txt/.md documents with data.source: text_dir"]
+    with pytest.raises(ConfigError) as e:
+        from_dict({"data": {"source": "jsonl", "path": ["a.jsonl"]}})
+    assert e.value.problems == [
+        "data.path: one path, got a list (['a.jsonl']); write it without brackets: data.path: a.jsonl"]
 
 
 def test_missing_file_and_empty_file(tmp_path):

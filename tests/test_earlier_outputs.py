@@ -22,7 +22,7 @@ def fake_run(root, cfg, steps=(2, 4), when=None):
     e = Earlier(root / "checkpoints", root / "runs" / "train", fp)
     e.arrange(trajectory(cfg), resume=True)
     with open(root / "runs" / "train" / "rank0.jsonl", "w") as f:
-        for s in range(1, max(steps) + 1):
+        for s in range(1, max(steps, default=2) + 1):
             f.write(json.dumps({"type": "iter", "step": s, "t": when or time.time(),
                                 "lr": cfg.optim.lr}) + "\n")
     for s in steps:
@@ -31,6 +31,8 @@ def fake_run(root, cfg, steps=(2, 4), when=None):
         (d / "model.pt").write_text(f"{fp} {s}")
         (d / "COMPLETE").write_text(json.dumps({"fingerprint": fp, "step": s, "sha256": {}}))
     (root / "checkpoints" / "final").mkdir()
+    (root / "checkpoints" / "final" / "COMPLETE").write_text(json.dumps(  # marked after the export
+        {"fingerprint": fp, "step": max(steps, default=2), "sha256": {}, "finished": True}))
     (root / "checkpoints" / "latest").write_text("final")
     e.finish(0)
     return fp, e
@@ -48,7 +50,8 @@ def test_another_configuration_is_kept_and_brought_back_when_its_params_are_set_
     kept = tmp_path / "checkpoints" / "other" / fp_a
     assert e.lines[0].startswith(f"train: checkpoints of another configuration (step-4, step-2, "
                                  f"final; 0.00 GiB) kept in {kept}/: params that differ from this "
-                                 "run's: optim.lr 0.001 -> 0.002. Set them back to resume it; "
+                                 "run's: optim.lr 0.001 -> 0.002. Its run completed: set back, a "
+                                 "run resumes its step-4 and trains the steps after it again; "
                                  f"`rm -r {kept}` deletes them")
     assert "starting at step 0: no checkpoint of this configuration" in e.lines[-1]
     assert not e.resumable
@@ -62,7 +65,7 @@ def test_another_configuration_is_kept_and_brought_back_when_its_params_are_set_
     # the lr set back: the first configuration's checkpoints and measurements come back
     e = Earlier(tmp_path / "checkpoints", tmp_path / "runs" / "train", fp_a)
     e.arrange(trajectory(a), resume=True)
-    assert any("brought back" in line for line in e.lines)
+    assert any("brought back" in line and "its run completed" in line for line in e.lines)
     assert e.resumable == 4 and e.lines[-1].startswith(
         f"train: resuming from {tmp_path / 'checkpoints'}/step-4: a checkpoint of this "
         "configuration")
@@ -134,3 +137,33 @@ def test_a_forced_re_run_of_a_completed_run_retrains_from_step_0(tmp_path):
     (ckpt / "final").mkdir()
     assert e.finish(0) is None
     assert not (ckpt / "other").exists() and json.loads((ckpt / RECORD).read_text())["complete"]
+
+
+def test_a_completed_run_with_only_final_brought_back_says_it_retrains(tmp_path):
+    """Walk finding 10: lr edited, run, set back, run: "brought back ... (its params were set
+    back)" then "starting at step 0: no checkpoint of this configuration". What came back was a
+    completed run's final/, which is not resumed: the lines say so, and the parking line does not
+    promise a resume."""
+    a = from_dict({"optim": {"lr": 1e-3}})
+    b = from_dict({"optim": {"lr": 2e-3}})
+    fp_a, _ = fake_run(tmp_path, a, steps=())
+    _, e = fake_run(tmp_path, b, steps=())   # the lr edited: a run that completes
+    kept = tmp_path / "checkpoints" / "other" / fp_a
+    assert e.lines[0].startswith(f"train: checkpoints of another configuration (final; 0.00 GiB) "
+                                 f"kept in {kept}/: params that differ from this run's: optim.lr "
+                                 "0.001 -> 0.002. Its run completed: set back, a run retrains it "
+                                 "from step 0 (a completed run's final/ is not resumed); ")
+
+    e = Earlier(tmp_path / "checkpoints", tmp_path / "runs" / "train", fp_a)
+    e.arrange(trajectory(a), resume=True)
+    assert e.resumable == 0
+    assert e.lines == [
+        f"train: checkpoints of another configuration (final; 0.00 GiB) kept in "
+        f"{tmp_path / 'checkpoints' / 'other' / fingerprint(b)}/: params that differ from this run's: "
+        "optim.lr 0.002 -> 0.001. Its run completed: set back, a run retrains it from step 0 (a "
+        "completed run's final/ is not resumed); "
+        f"`rm -r {tmp_path / 'checkpoints' / 'other' / fingerprint(b)}` deletes them",
+        f"train: checkpoints of this configuration brought back from {kept}/ (its params were set "
+        "back; its run completed)",
+        f"train: starting at step 0: the run of this configuration brought back from {kept}/ "
+        "completed (a completed run's final/ is not resumed); this run retrains and measures itself"]

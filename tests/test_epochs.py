@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from longft.config.params import Config, ConfigError, from_dict, merge, to_dict
 from longft.engine.batches import SkipFirst, micro_batches, micro_batches_per_epoch, passes, steps_for_epochs
 from longft.engine.trainer import TrainingError, with_steps
+from longft.run.coverage import coverage_note
 
 
 def test_steps_and_passes_follow_rows_batch_and_world():
@@ -42,6 +43,23 @@ def test_with_steps_derives_iterations_and_refuses_an_untimed_run():
     assert with_steps(fixed, 30) is fixed  # iterations set: nothing derived
     with pytest.raises(TrainingError, match=r"2 optimizer step\(s\) over 2 prepared rows.*warmup"):
         with_steps(cfg, 2)
+
+
+def test_a_step_count_that_leaves_a_files_rows_out_is_said_before_training():
+    # the walkthrough's run: the demo's 12 steps of 2 rows on 259 rows of the user's jsonl
+    cfg = cfg_with(iterations=12, global_batch_size=2)
+    note = coverage_note(cfg, {"num_rows": 259, "source": "jsonl"})
+    assert note == ("train: note: 12 steps of 2 rows cover 9 % of the 259 prepared rows "
+                    "(train.iterations 12): set train.epochs: 1 (train.iterations: null) to pass "
+                    "over all of them")
+    assert "cover 92 %" in coverage_note(cfg, {"num_rows": 26, "source": "parquet"})
+    assert coverage_note(cfg, {"num_rows": 24, "source": "jsonl"}) is None   # one whole pass
+    assert coverage_note(cfg, {"num_rows": 259, "source": "synthetic"}) is None  # generated
+    assert coverage_note(cfg, {"num_rows": 259, "source": "random"}) is None
+    epochs = cfg_with(iterations=None, epochs=0.5)
+    assert coverage_note(epochs, {"num_rows": 259, "source": "jsonl"}) is None  # passes asked
+    assert "under 1 %" in coverage_note(cfg, {"num_rows": 100_000, "source": "hf"})
+    assert "cover 99 %" in coverage_note(cfg_with(iterations=249), {"num_rows": 500, "source": "jsonl"})
 
 
 def test_exactly_one_of_iterations_and_epochs():

@@ -1,6 +1,8 @@
 """`longft estimate | placement | max-context` (longft.cli.estimate) on CPU with faked hardware."""
 
 import dataclasses
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -158,10 +160,53 @@ def test_placement_writes_an_overlay_that_validates(tmp_path, on, capsys):
     assert ov["model"] == {"name": "llama3.1-8b", "source": "random"}
     assert ov["data"]["max_seq_length"] == 65536
     cfg = from_dict(merge(yaml.safe_load(base.read_text()), ov))
-    assert cfg.train.global_batch_size == cfg.train.micro_batch_size
     # an 8B model's 16 B/param states do not fit in 80 GiB next to 64K activations
     assert ov["zero"]["offload_optimizer"] == "cpu"
-    assert "chosen:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "chosen:" in out
+    # walkthrough finding 4: the params' global batch (4) is kept, the rest accumulated (was
+    # micro-batch x GPUs: comparing overlays mixed placement with batch size), and the prediction
+    # is the merged params' own: accumulation's host memory (no shared gradient slot) and speed
+    assert cfg.train.global_batch_size == 4 and cfg.grad_accum_steps == 4 // cfg.train.micro_batch_size
+    assert cfg.grad_accum_steps > 1 and ov["zero"]["host_grad_buffer"] == "full"
+    assert (f"batch: micro-batch {cfg.train.micro_batch_size} x 1 GPU(s) x {cfg.grad_accum_steps} "
+            "accumulation step(s) = global batch 4, the params' train.global_batch_size") in out
+    assert "global batch changed" not in text
+    from longft.cli.target import architecture_of, resolve_on_gpu
+    from longft.estimate.estimator import setup_from_config
+
+    arch = architecture_of(cfg.model)
+    setup = setup_from_config(cfg, resolve_on_gpu(cfg, H200, arch["model_type"])[0])
+    again = estimate(arch, setup)
+    assert f"host {again.host_rss / GIB:.2f} GiB; ~{tokens_per_second(arch, setup, 'NVIDIA H200'):,.0f} tok/s" \
+        in text
+
+
+def test_placement_keeps_the_params_global_batch(tmp_path, on, capsys):
+    """Walkthrough finding 4 (2 became 12 or 18): with params, only the micro-batches that divide
+    their global batch are searched; where the GPUs cannot keep it, the nearest multiple, said in
+    a note and in the overlay's header; without params, micro-batch x GPUs as before."""
+    on(H200)
+
+    def place(params: list[str], gpus: int = 1) -> dict:
+        out = tmp_path / "ov.yaml"
+        assert main("placement", ["--gpu-mem", "80", "--host-mem", "256", "--gpus", str(gpus),
+                                  "--model", "llama3.2-1b", "--seq", "4096", "--out", str(out),
+                                  "--max-micro", "16", *params]) == 0
+        return yaml.safe_load(out.read_text())["train"]
+
+    p = write_params(tmp_path, train={"micro_batch_size": 1, "global_batch_size": 2})
+    assert place(["--params", str(p)]) == {"micro_batch_size": 2, "global_batch_size": 2}
+    out = capsys.readouterr().out
+    assert "global batch changed" not in out
+    # what keeping it costs is said, with how to plan the larger batch instead
+    assert re.search(r"note: a larger global batch trains faster here: micro-batch (\d+) x 1 GPU\(s\) = "
+                     r"global batch \1, .* set train.global_batch_size: \1 and run this again", out)
+    assert place(["--params", "absent.yaml"])["global_batch_size"] > 2   # no params: as before
+    t = place(["--params", str(p)], gpus=3)
+    out = capsys.readouterr().out
+    assert t["global_batch_size"] == 3 and "note: global batch changed from 2 to 3: " in out
+    assert "# note: global batch changed from 2 to 3 (" in (tmp_path / "ov.yaml").read_text()
 
 
 def test_placement_says_what_is_closest_when_nothing_fits(tmp_path, on, capsys):
@@ -273,3 +318,38 @@ def test_the_512k_recipe_in_the_docs_answers_as_the_docs_say(tmp_path, on, capsy
     for section in ("checkpointing", "zero"):
         for k, v in confirmed[section].items():
             assert overlay[section][k] == v, (section, k)
+
+
+def test_estimate_refuses_a_length_past_the_models_positions_as_prepare_and_patch_do(tmp_path, on,
+                                                                                      capsys):
+    """Walk finding 5: estimate said `GPU fits, host fits` (exit 0) for data.max_seq_length 32768
+    on a model of 16,384 positions, which prepare and patch refuse."""
+    on(H200)
+    arch = tmp_path / "short.json"
+    arch.write_text(json.dumps({**LLAMA_1B, "max_position_embeddings": 16384}))
+    p = write_params(tmp_path, model={"name": str(arch)}, data={"max_seq_length": 32768})
+    assert main("estimate", ["--params", str(p), "--gpu-mem", "24", "--host-mem", "64"]) == 2
+    out, err = capsys.readouterr()
+    assert "verdict" not in out
+    assert "data.max_seq_length (32768) is longer than the 16384 positions model" in err
+    assert "lower data.max_seq_length to at most 16384" in err
+    p = write_params(tmp_path, model={"name": str(arch)}, data={"max_seq_length": 16384})
+    assert main("estimate", ["--params", str(p), "--gpu-mem", "80", "--host-mem", "64"]) == 0
+
+
+def test_search_at_a_global_batch_accumulates_the_rest():
+    """With a global batch, each micro-batch that divides it, and no other, accumulates the rest:
+    4 = 1 x 4 = 2 x 2 = 4 x 1. Accumulating under ZeRO-3 with the optimizer on the CPU has no
+    shared gradient slot (hardware.policy), so it needs more host RAM than one micro-step a step."""
+    base = Setup(micro_batch=1, seq_len=4096, tiled_mlp=False)
+    cands = search(LLAMA_1B, base, gpu_mem_gib=80, host_mem_gib=256, gpu_name=None, max_micro=8,
+                   global_batch=4)
+    assert {(c.setup.micro_batch, c.setup.grad_accum) for c in cands} == {(1, 4), (2, 2), (4, 1)}
+    opt = {c.setup.micro_batch: c for c in cands if c.offload == "opt" and c.setup.offload_ratio == 1
+           and c.setup.checkpointing == "none"}
+    assert (opt[1].setup.host_grad_buffer, opt[4].setup.host_grad_buffer) == ("full", "shared")
+    assert opt[1].est.host_rss > opt[4].est.host_rss
+    # the optimizer step is amortised over the same 4 rows whatever the micro-batch
+    assert opt[4].tokens_per_s < 1.3 * opt[1].tokens_per_s
+    one = search(LLAMA_1B, base, gpu_mem_gib=80, host_mem_gib=256, gpu_name=None, max_micro=4)
+    assert {c.setup.grad_accum for c in one} == {1} and max(c.setup.micro_batch for c in one) == 4

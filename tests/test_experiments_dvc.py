@@ -80,8 +80,10 @@ def own_data(repo, byte_tokenizer):
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     byte_tokenizer.save_pretrained(model_dir)
     (repo / "mydata").mkdir()
+    # long enough for 6 packed rows: one epoch (the snippet's train.epochs 1) is 3 steps
+    filler = "The sum of two equal numbers is twice the number. " * 9
     (repo / "mydata" / "train.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+        json.dumps({"messages": [{"role": "user", "content": f"Note {i}: {filler}What is {i} plus {i}?"},
                                  {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]})
         + "\n" for i in range(40)))
     out = sh("bash", "-e", "-c", quickstart_block(REPO / "README.md"), cwd=repo)
@@ -160,6 +162,11 @@ def test_quickstart_snippet_pasted_as_written(own_data):
     assert params["data"]["path"] == "mydata/train.jsonl" and params["data"]["num_samples"] is None
     assert params["model"] == {**params["model"], "source": "pretrained", "name": "models/my-llama"}
     assert params["data"]["max_seq_length"] == 4096  # the rest of each section as it was
+    # one pass over the user's rows, not the demo's step count (train.iterations)
+    assert (params["train"]["iterations"], params["train"]["epochs"]) == (None, 1)
+    train = json.loads(sh("git", "show", "refs/exps/" + _exp_ref(root, "my-data")
+                          + ":metrics/train.json", cwd=root))
+    assert train["steps"] == 3 and train["epochs"] == pytest.approx(1.0)  # 6 rows, 2 a step
     stats = json.loads((root / "data/prepared/stats.json").read_text())
     assert stats["source"] == "jsonl" and stats["samples"] == 36  # 40 records, 4 held out
     assert "--- reference" in out and "plus" in out  # longft generate answered held-out records

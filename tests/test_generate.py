@@ -11,6 +11,7 @@ import torch
 from longft.cli import main as cli
 from longft.config.params import Config, from_dict
 from longft.generate import ExportMissingError, chat_prompt, held_out_prompts, load_export
+from longft.model.loading import ModelError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,6 +70,37 @@ def test_held_out_records_are_cut_before_the_answer(tmp_path, byte_tokenizer, mo
     assert len(got) == 1 and got[0]["reference"].startswith("The ")
 
 
+def test_held_out_text_records_are_continued_from_their_first_part(tmp_path, byte_tokenizer,
+                                                                   monkeypatch, capsys):
+    from longft.data.prepare import prepare
+    from longft.generate.prompts import continuation_cut
+
+    assert continuation_cut(100, 64) == 50 and continuation_cut(101, 64) == 51  # the first half
+    assert continuation_cut(12079, 64) == 12015   # a long record: the reference is 64 tokens
+    assert continuation_cut(2, 64) == 1
+    monkeypatch.chdir(REPO)  # configs/ of the default tiny model and byte tokenizer
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"Report {i}. " + "Sales rose in March. " * (5 + i)})
+                            + "\n" for i in range(10)))
+    cfg = from_dict({"data": {"source": "jsonl", "path": str(docs), "num_samples": None,
+                              "eval_samples": 1, "max_seq_length": 1024}})
+    prepare(cfg, tmp_path / "prepared")
+    (p,) = held_out_prompts(tmp_path / "prepared", 5, max_new_tokens=40)
+    whole = p.ids + p.reference
+    assert p.continued == len(whole) > 80 and len(p.reference) == 40   # capped at --max-new-tokens
+    assert byte_tokenizer.decode(whole, skip_special_tokens=True).startswith("Report ")
+    (short,) = held_out_prompts(tmp_path / "prepared", 5, max_new_tokens=1000)
+    assert len(short.ids) == (len(whole) + 1) // 2 and short.ids + short.reference == whole  # halves
+    tiny_model(byte_tokenizer, tmp_path / "export")
+    assert cli.main(["generate", "--export", str(tmp_path / "export"), "--data",
+                     str(tmp_path / "prepared"), "--max-new-tokens", "40", "--show-prompt-chars", "0",
+                     "--json", str(tmp_path / "o.json")]) == 0
+    assert (f"### held-out 0 ({len(p.ids)} prompt tokens: the start of a {len(whole)}-token record "
+            "trained whole (text), continued; reference: its last 40 tokens)") in capsys.readouterr().out
+    got = json.loads((tmp_path / "o.json").read_text())
+    assert got[0]["reference"] == byte_tokenizer.decode(p.reference, skip_special_tokens=True)
+
+
 def test_lora_adapter_is_loaded_on_its_base(tmp_path, byte_tokenizer):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -95,6 +127,11 @@ def test_lora_adapter_is_loaded_on_its_base(tmp_path, byte_tokenizer):
         torch.testing.assert_close(export.model(ids).logits, adapted)
     assert cli.main(["generate", "--export", str(tmp_path / "export"), "--prompt", "hi",
                      "--max-new-tokens", "2"]) == 0
+    # its base moved since training: said at once, naming the folder, never asking the hub
+    (tmp_path / "base").rename(tmp_path / "base-moved")
+    with pytest.raises(ModelError, match=r"no directory .*base \(.* holds: .*base-moved"):
+        load_export(tmp_path / "export")
+    (tmp_path / "base-moved").rename(tmp_path / "base")
     # an adapter of a random-init base cannot be loaded: its base weights were never saved
     info = json.loads((tmp_path / "export" / "longft_export.json").read_text())
     (tmp_path / "export" / "longft_export.json").write_text(json.dumps({**info, "source": "random"}))

@@ -128,15 +128,19 @@ def test_train_stage_refuses_a_taken_pinned_port_before_touching_anything(tmp_pa
                                                {"hardware": {"master_port": taken}})))
         run_all(params, tmp_path, ("patch",))  # plan.json; the data is only looked at
         (tmp_path / "data").mkdir()
-        (tmp_path / "data" / "meta.json").write_text(json.dumps({"max_seq_length": 4096}))
+        (tmp_path / "data" / "meta.json").write_text(json.dumps(
+            {"max_seq_length": 4096, "num_rows": 259, "source": "jsonl"}))
         (tmp_path / "run").mkdir()
         (tmp_path / "run" / "rank0.jsonl").write_text("an earlier run's\n")
         monkeypatch.setattr(sys, "argv", stage_commands(params, tmp_path)["train"][1:])
         with pytest.raises(SystemExit) as e:
             runpy.run_path(str(REPO / "stages" / "train.py"), run_name="__main__")
     assert e.value.code == 2
-    err = capsys.readouterr().err
+    said = capsys.readouterr()
+    err = said.err
     assert f"longft train: hardware.master_port: port {taken} is in use" in err
+    # before it, the start lines: the demo's 12 steps leave most of a file's rows out (run/coverage)
+    assert "train: note: 12 steps of 2 rows cover 9 % of the 259 prepared rows" in said.out
     assert "Traceback" not in err
     assert (tmp_path / "run" / "rank0.jsonl").read_text() == "an earlier run's\n"
     assert not (tmp_path / "checkpoints").exists()

@@ -290,3 +290,48 @@ def test_stage_entry_point(tmp_path):
     assert "tokens/s" in p.stdout and "loss 5.0947 -> 2.0947" in p.stdout
     assert (tmp_path / "metrics" / "train.json").is_file()
     assert (tmp_path / "metrics" / "memory.png").stat().st_size > 0
+
+
+def test_a_gpu_run_has_the_speed_heuristics_tokens_per_s_beside_its_own(tmp_path):
+    """train.json speed_prediction: the plan's Setup at the run's attention length and padding."""
+    import dataclasses
+
+    from longft.config.params import from_dict
+    from longft.estimate.estimator import Setup, estimate
+    from longft.estimate.format import to_dict
+    from longft.estimate.speed import tokens_per_second
+    from longft.model.architecture import architecture
+    from longft.model.loading import load_model_config
+
+    arch = architecture(load_model_config(from_dict({"model": {"source": "random",
+                                                               "name": "llama3.2-1b"}}).model))
+    setup = Setup(micro_batch=1, seq_len=1024, world_size=2, ranks_per_node=2,
+                  checkpointing="cpu_offload", offload_optimizer=True)
+    d = plan_dict(model_config=arch)
+    d["memory_estimate"]["estimate"] = json.loads(json.dumps(to_dict(estimate(arch, setup))))
+    plan = Plan.from_dict(d)
+    run = make_run(tmp_path / "run")
+
+    def edit(**env):
+        for rank in (0, 1):
+            p = run / f"rank{rank}.jsonl"
+            recs = [json.loads(x) for x in p.read_text().splitlines()]
+            for r in recs:
+                if r["type"] == "env":
+                    r.update(env)
+                if r["type"] == "iter":  # packed rows: documents of 256 tokens on average
+                    r.update(doc_sq_tokens=256 * r["tokens"])
+            p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    edit()
+    train, _, _ = summarize(run, plan)
+    assert train["attention_length"] == 256.0
+    speed = train["speed_prediction"]
+    want = tokens_per_second(arch, dataclasses.replace(
+        setup, attention_length=256.0, padding=train["padding_fraction"]), ENV["gpu_name"])
+    assert speed["predicted_tok_s"] == pytest.approx(want, abs=0.1)
+    assert speed["measured_tok_s"] == train["tokens_per_s"]
+    assert speed["rel_error"] == pytest.approx((want - train["tokens_per_s"]) / train["tokens_per_s"],
+                                               abs=1e-4)
+    assert speed["predicted_tok_s"] > speed["whole_row_tok_s"]  # attention per document is less
+    edit(gpu_name=None, gpu_count=0)  # the same run on the CPU: no GPU to predict for
+    assert "speed_prediction" not in summarize(run, plan)[0]

@@ -4,12 +4,12 @@ fits, and overlays that are safe to merge (issue 36): on CPU with faked hardware
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
 
 from longft.cli.estimate import main
-from longft.cli.placement import tunings
 from longft.config.checks import problems
 from longft.config.params import Config, from_dict, merge, to_dict
 from longft.estimate.estimator import GIB, Setup, estimate, fits, setup_from_config
@@ -118,7 +118,8 @@ def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, o
     assert "(within 3 % of a budget)" in text            # the longest contexts fill a budget
     # issue 48: each file is named with the line that runs it, and that line, pasted, runs it
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(to_dict(Config()), sort_keys=False))
-    assert _pasted_run_lines(text, capsys) == {f.removesuffix(".yaml") for f in files}
+    names = _pasted_run_lines(text, capsys)
+    assert {n[:-7] for n in names} == {f.removesuffix(".yaml") for f in files}
     assert "run it: " + _run_line(tmp_path / "ov.lora-r-16.yaml") in text   # the recommended
 
 
@@ -128,17 +129,23 @@ def _run_line(path) -> str:
 
 def _pasted_run_lines(text: str, capsys) -> set[str]:
     """Run every `longft sweep FILE --temp` line of a placement's output as pasted (with --dry-run
-    added); the experiment names their `dvc exp run --temp` lines give."""
+    added); the experiment names their `dvc exp run --temp` lines give: each the file's name and
+    a 6-digit hash of its params, as the placement's output says beside the line (issue 48,
+    walkthrough finding 3: two overlays of one file name must not share an experiment name)."""
     import shlex
 
     from longft.cli.main import main as longft
 
     names = set()
     for line in sorted(set(re.findall(r"longft sweep \S+ --temp", text))):
+        path = shlex.split(line)[2]
         assert longft(shlex.split(line)[1:] + ["--dry-run"]) == 0, capsys.readouterr().err
         dvc = capsys.readouterr().out.strip()
         assert dvc.startswith("dvc exp run --temp -S ") and "\n" not in dvc, dvc
-        names.add(dvc.rsplit(" -n ", 1)[1])
+        name = dvc.rsplit(" -n ", 1)[1]
+        assert re.fullmatch(re.escape(Path(path).stem) + r"-[0-9a-f]{6}", name), name
+        assert f"experiment {name}" in text or f"experiment ({name})" in text, (name, line)
+        names.add(name)
     return names
 
 
@@ -162,23 +169,6 @@ def test_qlora_and_8bit_are_searched_only_when_allowed():
                    gpu_name=None, max_micro=1,
                    tunings=(Tuning(0, "none", "adamw_8bit"),))
     assert eight and all(c.offload == "none" and not c.setup.offload_optimizer for c in eight)
-
-
-def test_flags_widen_the_search():
-    cfg = from_dict({})
-    assert tunings(cfg, None, None, None) == (Tuning(),)
-    assert tunings(cfg, "any", None, None) == (Tuning(), Tuning(16))
-    assert tunings(cfg, "8", "nf4", None) == (Tuning(8, "nf4"),)
-    assert set(tunings(cfg, "any", "any", "any")) == {
-        Tuning(0, "none", o) for o in ("adamw", "adamw_8bit")} | {
-        Tuning(16, q, o) for q in ("none", "nf4", "int8") for o in ("adamw", "adamw_8bit")}
-    lora = from_dict({"lora": {"rank": 32, "quantize": "nf4"}, "optim": {"name": "adamw_8bit"},
-                     "zero": {"stage": 2, "offload_optimizer": "none"}})
-    assert tunings(lora, "any", None, None)[0] == Tuning(32, "nf4", "adamw_8bit")  # its own first
-    with pytest.raises(ValueError, match="add --lora RANK"):
-        tunings(cfg, None, "nf4", None)
-    with pytest.raises(ValueError, match="--lora 'x'"):
-        tunings(cfg, "x", None, None)
 
 
 def _pretrained_8b(tmp_path):
@@ -230,9 +220,10 @@ def test_overlay_for_another_model_says_it_replaces_the_params_model(tmp_path, m
     assert yaml.safe_load(out.read_text())["model"] == {"name": "llama3.2-1b", "source": "random"}
     text = capsys.readouterr().out
     assert "it replaces the params' model" in text
-    assert f"wrote {out}; run it as a DVC experiment: {_run_line(out)}" in text
+    assert re.search(rf"wrote {out}; run it as a DVC experiment \(ov-[0-9a-f]{{6}}\): "
+                     + re.escape(_run_line(out)), text)
     monkeypatch.chdir(tmp_path)   # beside the params the overlay is merged onto
-    assert _pasted_run_lines(text, capsys) == {"ov"}
+    assert {n[:-7] for n in _pasted_run_lines(text, capsys)} == {"ov"}
 
 
 def _fake(c: Candidate, tok_s: float, gpu_gib: float, host_gib: float) -> Candidate:

@@ -25,7 +25,7 @@ from longft.metrics.run_sources import Run
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "exp_show.json"
-HEADER = ("| Setup | Model | Context Length | Peak VRAM (MiB) | Peak DRAM (GiB) "
+HEADER = ("| Setup | Model | Data | Context Length | Peak VRAM (MiB) | Peak DRAM (GiB) "
           "| Throughput (token/s) | Batch Size | LR | LoRA Rank | Eval Loss | Retrieval (%) |")
 
 
@@ -69,8 +69,8 @@ def test_exp_show_fixture_rows_and_notes(exp_show):
     text = report.render_table(rows, notes + more, "dvc exp show")
     lines = text.splitlines()
     assert lines[0] == HEADER
-    cpu = "| 1xCPU ZeRO-3 offload opt | tiny-llama |"
-    assert lines[1] == "|---|---|" + "---:|" * 9
+    cpu = "| 1xCPU ZeRO-3 offload opt | tiny-llama | synthetic |"
+    assert lines[1] == "|---|---|---|" + "---:|" * 9
     quality = "| 0.001 | 0 | n/a | n/a |"  # a run from before held-out evals
     assert lines[2] == f"{cpu} 2048 | n/a | 4.8 | 851 | 2 (1/GPU x 2 accum) {quality}"
     assert lines[3] == f"{cpu} 4096 | n/a | 3.7 | 679 | 2 (1/GPU x 2 accum) {quality}"
@@ -97,7 +97,7 @@ def test_gpu_run_from_synthetic_exp_show(exp_show, params):
     runs, _ = run_sources.runs_from_exp_show([rec])
     rows, _ = report.build_rows(runs)
     line = report.render_table(rows, []).splitlines()[2]
-    assert line == ("| 8xH200 ZeRO-3 offload opt+param | llama3.1-8b | 128000 | 54,272 | 180.3 "
+    assert line == ("| 8xH200 ZeRO-3 offload opt+param | llama3.1-8b | random | 128000 | 54,272 | 180.3 "
                     "| 19,876 | 8 (1/GPU) | 0.001 | 0 | n/a | n/a |")
     named = report.render_table(rows, [], names=True).splitlines()
     assert named[0].startswith("| Run | Setup |")
@@ -139,6 +139,45 @@ def test_rows_sorted_and_setup_strings(params):
         ("8b-128k-8gpu", "8xH200 ZeRO-3 offload opt+param")]
 
 
+def test_setup_names_the_quantized_base_and_block_sparse(params):
+    # the walkthrough's QLoRA row read "1xCPU ZeRO-2 offload opt LoRA r16": no nf4
+    qlora = gpu_run(params, name="qlora", gpus=1)
+    qlora.params["lora"].update(rank=16, quantize="nf4")
+    qlora.params["zero"].update(stage=2, offload_param="none")
+    qlora.env.update(lora_rank=16, zero_stage=2, offload_param="none")
+    sparse = gpu_run(params, name="sparse", gpus=1)
+    sparse.params["sparse"].update(blocks=46, block_size=64)
+    sparse.params["lora"]["quantize"] = "int8"
+    sparse.params["zero"].update(stage=2, offload_param="none")
+    sparse.env.update(zero_stage=2, offload_param="none")
+    rows, notes = report.build_rows([qlora, sparse])
+    assert notes == []
+    assert {r.name: r.setup for r in rows} == {
+        "qlora": "1xH200 ZeRO-2 offload opt LoRA r16 on nf4",
+        "sparse": "1xH200 ZeRO-2 offload opt block-sparse 46x64^2 on int8"}
+
+
+def test_rows_on_different_data_say_which(params):
+    synthetic = gpu_run(params, name="synthetic", gpus=1)
+    synthetic.params["data"]["source"] = "synthetic"
+    mine = gpu_run(params, name="mine", gpus=1)
+    mine.params["data"].update(source="jsonl", path="mydata/train.jsonl", num_samples=None)
+    deep = gpu_run(params, name="deep", gpus=1)
+    deep.params["data"].update(source="parquet", path="/data/projects/2026/customer-reports/all.parquet",
+                               num_samples=None)
+    hub = gpu_run(params, name="hub", gpus=1)
+    hub.params["data"].update(source="hf", path="THUDM/LongCite-45k", split="test", num_samples=None)
+    rows, notes = report.build_rows([synthetic, mine, deep, hub])
+    assert notes == []
+    assert {r.name: r.data for r in rows} == {
+        "synthetic": "synthetic", "mine": "mydata/train.jsonl", "deep": ".../all.parquet",
+        "hub": "hf THUDM/LongCite-45k:test"}
+    text = report.render_table(rows, [])
+    assert "| 1xH200 ZeRO-3 offload opt+param | llama3.1-8b | mydata/train.jsonl | 128000 |" in text
+    # the same setup, model and context on two data sets: rows of their own, no Run column needed
+    assert text.splitlines()[0] == HEADER
+
+
 # -- bench result files ------------------------------------------------------------------------
 
 def test_bench_results_table(tmp_path, params):
@@ -156,7 +195,7 @@ def test_bench_results_table(tmp_path, params):
     assert notes[1] == "oom: no train metrics (status: failed: stage train exited 1)"
     rows, _ = report.build_rows(runs)
     assert report.render_table(rows, notes).splitlines()[2] == (
-        "| 1xH200 ZeRO-3 offload opt+param | llama3.1-8b | 128000 | 54,272 | 180.3 | 19,876 | 1 "
+        "| 1xH200 ZeRO-3 offload opt+param | llama3.1-8b | random | 128000 | 54,272 | 180.3 | 19,876 | 1 "
         "| 0.001 | 0 | n/a | n/a |")
 
 
@@ -239,7 +278,7 @@ def test_cli_report_from_json_to_stdout(tmp_path, capsys, params):
                                                  "env": run.env}))
     assert cli.main(["report", "--from-json", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| 2xH200 ZeRO-3 offload opt+param | llama3.1-8b | 128000 |" in out
+    assert "| 2xH200 ZeRO-3 offload opt+param | llama3.1-8b | random | 128000 |" in out
     assert cli.main(["report", "--from-json", str(tmp_path / "missing")]) == 2
 
 

@@ -4,6 +4,7 @@ queue in a throwaway git + DVC repository (a few seconds; nothing is run)."""
 
 import dataclasses
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def test_every_problem_listed_before_anything_is_queued(workdir, monkeypatch, ca
     ]
     assert cli.main(["sweep", str(grid), "--run"]) == 2
     err = capsys.readouterr().err
-    assert "9 problem(s) in" in err and "Nothing was queued." in err
+    assert "9 problem(s) in" in err and "Nothing was run or queued." in err
 
 
 def test_not_a_list_and_only_filter(workdir):
@@ -182,8 +183,10 @@ def dvc(*args, cwd):
 
 
 @pytest.mark.slow  # real `dvc exp run --queue` processes: 34-42 s on 2 busy cores
-def test_queue_for_real(workdir, monkeypatch):
-    """Queue two rows in a throwaway repository and read them back from `dvc exp show`."""
+def test_queue_for_real(workdir, monkeypatch, capsys):
+    """Queue two rows in a throwaway repository and read them back from `dvc exp show`; then the
+    names of existing experiments, as DVC itself lists them: a row queued again is left out, and
+    two placement overlays of one file name run one after the other (walkthrough finding 3)."""
     for k, v in (("GIT_AUTHOR_NAME", "t"), ("GIT_AUTHOR_EMAIL", "t@t"), ("GIT_COMMITTER_NAME", "t"),
                  ("GIT_COMMITTER_EMAIL", "t@t")):
         monkeypatch.setenv(k, v)
@@ -206,6 +209,20 @@ def test_queue_for_real(workdir, monkeypatch):
     (p,) = queued.values()  # no name in the grid: DVC made one up
     assert (p["model"]["name"], p["model"]["source"], p["precision"], p["optim"]["betas"]) == \
         ("Qwen/Qwen2.5-14B", "pretrained", "bf16", [0.9, 0.99])
+    capsys.readouterr()
+    assert cli.main(["sweep", str(grid), "--only", "8b-*"]) == 0   # queued: not queued again
+    assert "row 1 (8b-128k-2gpu): already queued with these params" in capsys.readouterr().out
+    ov = write(workdir / "overlay.yaml", "data: {max_seq_length: 8192}\n")
+    first = sweep.load(ov)[0].name
+    assert cli.main(["sweep", str(ov), "--temp"]) == 0
+    write(ov, "data: {max_seq_length: 4096}\n")                  # another answer, same file name
+    assert cli.main(["sweep", str(ov), "--temp"]) == 0
+    assert cli.main(["sweep", str(ov), "--temp"]) == 0            # the same again: left out
+    assert "already ran with these params" in capsys.readouterr().out
+    assert cli.main(["sweep", str(ov), "--temp", "-n", first]) == 2   # caught before DVC runs
+    assert "data.max_seq_length: 8192 -> 4096" in capsys.readouterr().err
+    ran = dvc("exp", "list", "--name-only", cwd=workdir).split()
+    assert first in ran and sweep.load(ov)[0].name in ran
 
 
 def test_one_overlay_runs_now_in_a_temporary_copy(workdir, monkeypatch, capsys):
@@ -218,15 +235,99 @@ def test_one_overlay_runs_now_in_a_temporary_copy(workdir, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(sweep.subprocess, "run",
                         lambda cmd: calls.append(cmd) or sweep.subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(sweep.sweep_names, "existing", dict)   # no experiment yet
     before = (workdir / "params.yaml").read_text()
     assert cli.main(["sweep", str(ov), "--temp"]) == 0
     assert calls == [[sweep.sys.executable, "-m", "dvc", "exp", "run", "--temp",
                       "-S", "data.max_seq_length=8192", "-S", "zero.stage=3",
                       "-S", "zero.offload_param=cpu", "-S", "lora.rank=16",
-                      "-S", "lora.quantize=none", "-n", "overlay.lora-r-16"]]
+                      "-S", "lora.quantize=none", "-n",
+                      sweep.sweep_names.overlay_experiment(ov, sweep.load(ov)[0].overrides)]]
+    assert calls[0][-1].startswith("overlay.lora-r-16-")
     assert (workdir / "params.yaml").read_text() == before
     assert "1 experiment(s) ran" in capsys.readouterr().out
     bad = write(workdir / "q.yaml", "lora: {rank: 16, quantize: nf4}\n")
     assert cli.main(["sweep", str(bad), "--temp"]) == 2
     assert "zero.stage: 3, but lora.quantize nf4 runs on ZeRO-2" in capsys.readouterr().err
     assert len(calls) == 1
+
+
+OVERLAY = "# longft placement: ...\ndata: {max_seq_length: 8192}\nlora: {rank: 16, quantize: none}\n"
+
+
+def test_an_overlay_is_named_by_its_file_and_params(workdir):
+    """Walkthrough finding 3: two placement overlays written to one file name, run one after the
+    other, got one experiment name (DVC: `Experiment conflicts`, exit 255). The name carries a hash
+    of the params: the same overlay (comments, key order aside) is the same name, another is not;
+    -n names it instead, and only a one-overlay file."""
+    ov = write(workdir / "overlay.yaml", OVERLAY)
+    (row,) = sweep.load(ov)
+    assert re.fullmatch(r"overlay-[0-9a-f]{6}", row.name)
+    write(ov, "lora: {quantize: none, rank: 16}\ndata: {max_seq_length: 8192}  # same params\n")
+    assert sweep.load(ov)[0].name == row.name
+    write(ov, OVERLAY.replace("8192", "16384"))
+    other = sweep.load(ov)[0].name
+    assert other != row.name and other.startswith("overlay-")
+    assert sweep.load(ov, name="lora-16k")[0].name == "lora-16k"
+    with pytest.raises(sweep.SweepError, match="-n 'a b' must match"):
+        sweep.load(ov, name="a b")
+    with pytest.raises(sweep.SweepError, match="-n names the experiment of one overlay"):
+        sweep.load(write(workdir / "grid.yaml", GRID), name="x")
+
+
+def test_a_failed_experiment_does_not_hold_its_name(monkeypatch):
+    """A row that failed (out of memory, say) left no experiment: running the sweep again runs it."""
+    import dvc.api
+
+    rows = [{"Experiment": None, "rev": "head", "typ": "baseline"},
+            {"Experiment": "oom-row", "rev": "r1", "typ": "branch_commit", "State": "Failed"},
+            {"Experiment": "done-row", "rev": "r2", "typ": "branch_commit", "State": "Success"},
+            {"Experiment": "queued-row", "rev": "r3", "typ": "branch_commit", "State": "Queued"}]
+    monkeypatch.setattr(dvc.api, "exp_show", lambda: rows)
+    assert sorted(sweep.sweep_names.existing()) == ["done-row", "queued-row"]
+
+
+def taken(monkeypatch, name: str, params: dict | None, state: str | None = None):
+    """Fake one experiment of this commit: `name`, with these params (None: unreadable)."""
+    ex = sweep.sweep_names.Existing(name, "abc1234", state)
+    monkeypatch.setattr(sweep.sweep_names, "existing", lambda: {name: ex})
+    monkeypatch.setattr(sweep.sweep_names, "params_of",
+                        lambda rev, path: None if params is None else json.loads(json.dumps(params)))
+
+
+def test_an_existing_experiment_name_is_checked_before_dvc_runs(workdir, monkeypatch, capsys):
+    """The same overlay again is the experiment that exists (left out, said so, nothing runs);
+    a name held by an experiment of other params is refused before DVC runs anything, with the
+    params that differ and both fixes."""
+    no_subprocess(monkeypatch)
+    ov = write(workdir / "overlay.yaml", OVERLAY)
+    (row,) = sweep.load(ov)
+    base = yaml.safe_load((workdir / "params.yaml").read_text())
+    taken(monkeypatch, row.name, merge(base, sweep._nest(row.overrides)))
+    assert cli.main(["sweep", str(ov), "--temp"]) == 0
+    out = capsys.readouterr().out
+    assert f"row 1 ({row.name}): already ran with these params on this commit" in out
+    assert f"dvc exp remove {row.name}" in out and "nothing to run" in out
+    # the same params written differently (a key left at its default) are the same params
+    same = merge(base, sweep._nest(row.overrides))
+    del same["train"]["seed"]
+    taken(monkeypatch, row.name, same)
+    assert cli.main(["sweep", str(ov), "--temp"]) == 0
+    for theirs in (merge(base, {"data": {"max_seq_length": 4096}}), None):
+        taken(monkeypatch, row.name, theirs)
+        assert cli.main(["sweep", str(ov), "--temp"]) == 2
+        err = capsys.readouterr().err
+        assert f"experiment {row.name!r} exists on this commit (already ran) with" in err
+        assert ("data.max_seq_length: 4096 -> 8192" in err) == (theirs is not None)
+        assert f"`dvc exp remove {row.name}`" in err and "`-n NAME`" in err
+        assert "Nothing was run or queued." in err
+    # a grid: the row queued with its params is left out, the others are queued
+    grid = write(workdir / "grid.yaml", GRID)
+    first = sweep.load(grid)[0]
+    taken(monkeypatch, first.name, merge(base, sweep._nest(first.overrides)), "Queued")
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "run",
+                        lambda cmd: calls.append(cmd) or sweep.subprocess.CompletedProcess(cmd, 0))
+    assert cli.main(["sweep", str(grid)]) == 0
+    assert "row 1 (8b-128k-2gpu): already queued with these params" in capsys.readouterr().out
+    assert len(calls) == 1 and "model.name=Qwen/Qwen2.5-14B" in calls[0]

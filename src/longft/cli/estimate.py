@@ -8,7 +8,8 @@
 (`longft` is the console script of longft.cli, which hands these commands to `main(command, argv)`;
 `python -m longft.cli estimate ...` works without installing it.)
 
-estimate: the itemised memory table of a params file; exit 0 when it fits, 1 when it does not.
+estimate: the itemised memory table of a params file; exit 0 when it fits, 1 when it does not, 2
+for bad params (a data.max_seq_length past the model's positions among them, as prepare and patch).
 placement: the fastest placement that fits (offload x checkpointing x micro-batch), written as a params
 overlay; exit 1 with the closest candidate's numbers when nothing fits.
 max-context: the longest sequence (a multiple of 1024) that fits, by binary search; with --confirm,
@@ -68,6 +69,14 @@ def _load(params: str):
 # ---------------------------------------------------------------- estimate
 
 
+def _within_model(cfg) -> None:
+    """The prepare and patch stages' refusal of a data.max_seq_length past the model's positions
+    (model.loading.check_context_length), so that estimate never calls such a run one that fits."""
+    from longft.model.loading import check_context_length, load_model_config
+
+    check_context_length(load_model_config(cfg.model), cfg.data.max_seq_length, cfg.model.name)
+
+
 def cmd_estimate(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="longft estimate",
                                  description="Itemised peak VRAM / DRAM prediction for a params file.")
@@ -76,6 +85,7 @@ def cmd_estimate(argv: list[str]) -> int:
     from longft.hardware import detect
 
     cfg = _load(a.params)
+    _within_model(cfg)
     hw = detect()
     arch = _architecture(cfg.model)
     resolved, notes = _resolve(cfg, hw, arch["model_type"])

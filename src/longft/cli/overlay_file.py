@@ -1,6 +1,6 @@
 """A `longft placement` overlay, printed or written to a file with a header of what it predicts
 (`longft placement` and its advice when nothing fits both write them), and the one line that runs
-a written one as a DVC experiment (`run_line`)."""
+a written one as a DVC experiment (`run_line`) with the experiment's name (`experiment_of`)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,44 @@ from longft.estimate.placement import Candidate, near_budget
 
 
 def run_line(path: str | Path) -> str:
-    """The command that runs an overlay file as a DVC experiment named after it, merged onto the
-    committed ./params.yaml, in a temporary copy (run/sweep.py: `dvc exp run --temp -S ...`)."""
+    """The command that runs an overlay file as a DVC experiment (named after the file and a hash
+    of its params, `experiment_of`), merged onto ./params.yaml, in a temporary copy (run/sweep.py:
+    `dvc exp run --temp -S ...`)."""
     return f"longft sweep {shlex.quote(str(path))} --temp"
 
 
+def experiment_of(path: str | Path) -> str:
+    """The experiment name `run_line` gives a written overlay file (the name `longft sweep` makes
+    of the file's name and params)."""
+    from longft.config.grid import parse_grid, read_raw
+    from longft.run.sweep_names import overlay_experiment
+
+    rows, _ = parse_grid(read_raw(Path(path)))
+    return overlay_experiment(Path(path), rows[0].overrides)
+
+
+def batch_changed(ov: dict, params_batch: int | None) -> str | None:
+    """"global batch changed from A to B" where the overlay sets another global batch than the
+    params' (runs at other global batches differ in more than their placement); None where not."""
+    t, gpus = ov["train"], ov["hardware"]["num_gpus"]
+    if params_batch is None or t["global_batch_size"] == params_batch:
+        return None
+    accum = t["global_batch_size"] // (t["micro_batch_size"] * gpus)
+    return (f"global batch changed from {params_batch} to {t['global_batch_size']} "
+            f"(train.global_batch_size: micro-batch {t['micro_batch_size']} x {gpus} GPU(s) x "
+            f"{accum} accumulation step(s))")
+
+
 def write_overlay(out: str | None, ov: dict, c: Candidate, *, gpu_mem: float, host_mem: float,
-                  title: str = "longft placement", quiet: bool = False) -> None:
-    """Print the overlay, or write it to `out` with a header of what it predicts (and say so
-    unless `quiet`)."""
+                  title: str = "longft placement", quiet: bool = False,
+                  params_batch: int | None = None) -> None:
+    """Print the overlay, or write it to `out` with a header of what it predicts, and a note where
+    it changes the params' global batch (`params_batch`) (and say so unless `quiet`)."""
     import yaml
 
+    changed = batch_changed(ov, params_batch)
     warn = "".join(f"# warning: {w}\n" for w in near_budget(c, gpu_mem, host_mem))
+    warn += f"# note: {changed}\n" if changed else ""
     head = (f"# {title}: {describe(c.setup)}\n"
             f"# predicted: VRAM {c.est.gpu_allocated / GIB:.2f} GiB allocated, "
             f"{c.est.gpu_nvml / GIB:.2f} GiB NVML; host {c.est.host_rss / GIB:.2f} GiB; "
@@ -34,6 +60,7 @@ def write_overlay(out: str | None, ov: dict, c: Candidate, *, gpu_mem: float, ho
 
         write_text(Path(out), head + text)
         if not quiet:
-            print(f"\nwrote {out}; run it as a DVC experiment: {run_line(out)}")
+            print(f"\nwrote {out}; run it as a DVC experiment ({experiment_of(out)}): "
+                  f"{run_line(out)}")
     else:
         print("\n" + head + text)

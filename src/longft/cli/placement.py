@@ -3,8 +3,11 @@
     longft placement --gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072 \
         [--params params.yaml] [--lora any|none|RANK] [--quantize any|none|nf4|int8] \
         [--optimizer any|adamw|adamw_8bit|paged_adamw_8bit] [--optimizer-states any|fp32|bf16] \
-        [--nvme-path DIR] [--sparse-blocks N [--sparse-block-size B]] [--out overlay.yaml]
+        [--nvme-path DIR] [--sparse-blocks N [--sparse-block-size B]] [--data data/prepared] \
+        [--out overlay.yaml]
 
+With a params file the overlay keeps their train.global_batch_size: only the micro-batches that
+divide it are searched, the rest accumulated (`batch_target`; docs/planner.md says why).
 The search (longft.estimate.placement) covers what the params train (full-parameter, LoRA, QLoRA or
 block-sparse, over a bf16 or quantized base, and their optimizer); --lora, --quantize, --optimizer,
 --optimizer-states and --sparse-blocks widen or pin it. The overlay keeps the base params' model, data and LoRA
@@ -17,6 +20,7 @@ the speed model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -26,6 +30,7 @@ from longft.cli.overlay_file import write_overlay
 from longft.estimate.estimator import GIB, format_table
 from longft.estimate.format import unmeasured
 from longft.estimate.placement import (
+    NEAR_TIE,
     Candidate,
     Tuning,
     best,
@@ -77,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sparse-blocks", type=integer(least=0, what="blocks"),
                     help="block-sparse finetuning: blocks trained per target matrix (sparse.blocks; "
                     "0: off), in place of the params' own (and of their LoRA). Default: the params'")
+    ap.add_argument("--data", help="a prepared data directory (data/prepared after `dvc repro`): "
+                    "predict tokens/s at its documents' lengths and padding (its stats.json), as "
+                    "the run will count them; without it, one document fills each row")
     ap.add_argument("--sparse-block-size", type=integer(least=1, what="block size"),
                     help="the blocks' side with --sparse-blocks (sparse.block_size). Default: the "
                     "params'")
@@ -100,7 +108,7 @@ def tunings(cfg, lora: str | None, quantize: str | None, optimizer: str | None) 
         raise ValueError(f"--lora {lora!r}: give none, any or a rank > 0")
     quants = (list(QUANTIZE) if quantize == "any" else [quantize] if quantize
               else [cfg.lora.quantize])
-    if quantize not in (None, "none", "any") and not any(ranks) and not sparse:
+    if quantize not in (None, "none") and not any(ranks) and not sparse:   # any too: else ignored
         raise ValueError(f"--quantize {quantize} quantizes the base weights under LoRA or sparse "
                          "blocks: add --lora RANK or --lora any (the params train all parameters)")
     opts = ["adamw", "adamw_8bit"] if optimizer == "any" else [optimizer or cfg.optim.name]
@@ -111,6 +119,19 @@ def tunings(cfg, lora: str | None, quantize: str | None, optimizer: str | None) 
         own = Tuning(0, cfg.lora.quantize, cfg.optim.name, cfg.sparse.blocks, cfg.sparse.block_size)
     out = list(dict.fromkeys(out))
     return tuple(sorted(out, key=lambda t: t != own))
+
+
+def batch_target(params_batch: int | None, world: int) -> tuple[int | None, str | None]:
+    """The global batch the search keeps (None: none, micro-batch x GPUs, as without params) and
+    a note where it is not the params' own: their train.global_batch_size, or where that is no
+    multiple of the GPUs, the nearest multiple (the smaller on a tie)."""
+    if params_batch is None or params_batch % world == 0:
+        return params_batch, None
+    low = params_batch // world * world
+    b = low if low and params_batch - low <= low + world - params_batch else low + world
+    return b, (f"global batch changed from {params_batch} to {b}: the params' "
+               f"train.global_batch_size {params_batch} is not a multiple of {world} GPU(s), "
+               f"{b} is the nearest; set another in the params to compare at it")
 
 
 def _model_overlay(a, base_cfg, shipped: bool) -> tuple[dict | None, str | None]:
@@ -137,8 +158,9 @@ def _model_overlay(a, base_cfg, shipped: bool) -> tuple[dict | None, str | None]
 
 
 def _config(a):
-    """(the Config to search placements for, the overlay's model section or None, a note about it or None): the
-    base params (or the defaults) at --seq and --gpus, with --model where it is another model."""
+    """(the Config to search placements for, the overlay's model section or None, a note about it or None,
+    the params' global batch or None): the base params (or the defaults) at --seq and --gpus, with
+    --model where it is another model."""
     from longft.config.params import from_dict, load
     from longft.model.loading import shipped_architectures
 
@@ -160,7 +182,7 @@ def _config(a):
     elif a.sparse_block_size is not None:
         over["sparse"] = {"block_size": a.sparse_block_size}
     cfg = load(a.params, over) if has_params else from_dict(over, a.params)
-    return cfg, model_over, model_note
+    return cfg, model_over, model_note, base_cfg.train.global_batch_size if base_cfg else None
 
 
 def cmd_placement(argv: list[str]) -> int:
@@ -172,7 +194,8 @@ def cmd_placement(argv: list[str]) -> int:
     if a.model is None and not Path(a.params).is_file():
         print("longft placement: no --model and no params file to take it from", file=sys.stderr)
         return 2
-    cfg, model_over, model_note = _config(a)
+    cfg, model_over, model_note, params_batch = _config(a)
+    batch, batch_note = batch_target(params_batch, cfg.world_size)
     try:
         allowed = tunings(cfg, a.lora, a.quantize, a.optimizer)
     except ValueError as e:
@@ -183,6 +206,14 @@ def cmd_placement(argv: list[str]) -> int:
     within_positions(cfg.model, a.seq, "--seq")
     resolved, notes = resolve_on_gpu(cfg, hw, arch["model_type"])
     base = setup_from_config(cfg, resolved)
+    data_note = None
+    if a.data:
+        from longft.data.store import attention_shape
+
+        span, padding = attention_shape(a.data, a.seq)
+        base = dataclasses.replace(base, attention_length=span, padding=padding)
+        data_note = (f"speed at {a.data}'s documents: attention over {span:,.0f} tokens on average "
+                     f"(sum of L^2 / sum of L), {padding:.0%} padding left out of tokens/s")
     gpu_name = a.gpu_name or (hw.gpu_name if hw.device == "cuda" else None)
     wanted = a.optimizer_states or cfg.zero.optimizer_states
     states = ("fp32", "bf16") if wanted == "any" else (wanted,)
@@ -199,13 +230,16 @@ def cmd_placement(argv: list[str]) -> int:
             print("longft placement: " + "; ".join(bad), file=sys.stderr)
             return 2
         disk = shutil.disk_usage(a.nvme_path).free / GIB
-    cands = search(arch, base, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem, gpu_name=gpu_name,
-                   max_micro=a.max_micro, share_grads=cfg.zero.host_grad_buffer != "full", states=states, disk_gib=disk,
-                   tunings=allowed, chunked_copy_back=cfg.zero.copy_back != "deepspeed")
+    def run_search(tunings: tuple[Tuning, ...], global_batch: int | None) -> list[Candidate]:
+        return search(arch, base, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem, gpu_name=gpu_name,
+                      max_micro=a.max_micro, share_grads=cfg.zero.host_grad_buffer != "full", states=states,
+                      disk_gib=disk, tunings=tunings, chunked_copy_back=cfg.zero.copy_back != "deepspeed",
+                      global_batch=global_batch)
+    cands = run_search(allowed, batch)
     model_name = a.model or cfg.model.name
     print(f"longft placement: {model_name}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
           f"host {a.host_mem:g} GiB")
-    for n in notes + ([model_note] if model_note else []):
+    for n in notes + [n for n in (model_note, data_note, batch_note) if n]:
         print(f"note: {n}")
     print("searched: " + "; ".join(t.name for t in allowed) + f"; optimizer states "
           f"{', '.join(states)}" + ("; NVMe" if disk is not None else "")
@@ -216,8 +250,16 @@ def cmd_placement(argv: list[str]) -> int:
         from longft.cli.placement_advice import nothing_fits
 
         return nothing_fits(a, arch, base, cands, allowed=allowed, states=states, disk=disk, cfg=cfg,
-                            gpu_name=gpu_name, model_over=model_over)
+                            gpu_name=gpu_name, model_over=model_over, params_batch=params_batch)
     print(f"\nchosen: {describe_placement(choice)} (~{choice.tokens_per_s:,.0f} tok/s predicted)")
+    if batch:
+        s = choice.setup
+        print(f"batch: micro-batch {s.micro_batch} x {s.world_size} GPU(s) x {s.grad_accum} "
+              f"accumulation step(s) = global batch {batch}" + (
+                  "" if batch_note else ", the params' train.global_batch_size (only the "
+                  "micro-batches that divide it were searched)"))
+        larger = best(run_search((Tuning.of(choice.setup),), None), gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem)
+        _say_larger_batch(choice, larger, batch)
     why = why_chosen(choice, cands, a.gpu_mem, a.host_mem)
     if why:
         print(f"not the fastest: {why}")
@@ -227,8 +269,24 @@ def cmd_placement(argv: list[str]) -> int:
         print(f"note: {n}")
     print(format_table(choice.est, choice.fit))
     write_overlay(a.out, overlay(choice, a.gpus, model_over, a.nvme_path), choice, gpu_mem=a.gpu_mem,
-                  host_mem=a.host_mem)
+                  host_mem=a.host_mem, params_batch=params_batch)
     return 0
+
+
+def _say_larger_batch(choice: Candidate, larger: Candidate | None, batch: int) -> None:
+    """A note where a larger global batch (one micro-step a step, same tuning) is faster beyond a
+    near-tie: what the overlay did not trade the params' batch for, and how to plan it."""
+    if larger is None or larger.tokens_per_s <= (1 + NEAR_TIE) * choice.tokens_per_s:
+        return
+    s = larger.setup
+    if s.micro_batch * s.world_size <= batch:
+        return
+    print(f"note: a larger global batch trains faster here: micro-batch {s.micro_batch} x "
+          f"{s.world_size} GPU(s) = global batch {s.micro_batch * s.world_size}, "
+          f"~{larger.tokens_per_s:,.0f} tok/s (the optimizer step spread over more rows); it "
+          f"changes the training (steps per epoch, the learning rate that suits it), so the "
+          f"overlay keeps {batch}; to plan it, set train.global_batch_size: "
+          f"{s.micro_batch * s.world_size} and run this again")
 
 
 def _print_fitting(cands: list[Candidate], gpu_mem: float, host_mem: float) -> None:

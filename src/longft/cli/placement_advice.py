@@ -33,26 +33,34 @@ def _alt_path(out: str, name: str) -> Path:
 class _Overlays:
     """Prints each alternative's overlay on one line and, with --out, writes it to its own file."""
 
-    def __init__(self, a, model_over: dict | None):
+    def __init__(self, a, model_over: dict | None, params_batch: int | None):
         self.a, self.model_over, self.written = a, model_over, []
+        self.params_batch = params_batch
 
     def show(self, name: str, c: Candidate, gpus: int) -> dict:
-        from longft.cli.overlay_file import write_overlay
+        from longft.cli.overlay_file import batch_changed, write_overlay
 
         ov = overlay(c, gpus, self.model_over, None)
         print(f"{'':6s}overlay: " + yaml.safe_dump(ov, default_flow_style=True, sort_keys=False,
                                                    width=1 << 16).strip())
+        changed = batch_changed(ov, self.params_batch)
+        if changed:  # said beside the line a user copies, not only in the written file's header
+            print(f"{'':6s}note: {changed}")
         if self.a.out:
             path = _alt_path(self.a.out, name)
             write_overlay(str(path), ov, c, gpu_mem=self.a.gpu_mem, host_mem=self.a.host_mem,
-                          quiet=True, title=f"longft placement, instead of the asked run: {name}")
+                          quiet=True, title=f"longft placement, instead of the asked run: {name}",
+                          params_batch=self.params_batch)
             self.written.append(path)
         return ov
 
 
 def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states, disk, cfg,
-                 gpu_name: str | None, model_over: dict | None) -> int:
-    """Print what fits instead of the asked run; exit code 1 (the asked run does not fit)."""
+                 gpu_name: str | None, model_over: dict | None,
+                 params_batch: int | None = None) -> int:
+    """Print what fits instead of the asked run; exit code 1 (the asked run does not fit). Its
+    overlays run one micro-step a step: where that is not the params' global batch
+    (`params_batch`), each overlay's header says so."""
     from longft.cli.overlay_file import write_overlay
 
     closest = min(cands, key=lambda c: c.overshoot(a.gpu_mem, a.host_mem))
@@ -64,7 +72,7 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
               chunked_copy_back=cfg.zero.copy_back != "deepspeed",
               tiled_auto=cfg.kernels.tiled_mlp == "auto", lora_dropout=cfg.lora.dropout,
               top=max(a.seq, int(arch.get("max_position_embeddings") or a.seq)))
-    shown = _Overlays(a, model_over)
+    shown = _Overlays(a, model_over, params_batch)
     print(f"\nlongest context that fits on {a.gpus} GPU(s) of {a.gpu_mem:g} GiB with "
           f"{a.host_mem:g} GiB of host RAM (up to {ask.top:,}):")
     for t, seq, c in longest_contexts(arch, base, ask):
@@ -83,13 +91,13 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
             print(f"{'':6s}{alt.note}")
         if alt.candidate and not alt.candidate.setup.nvme:   # NVMe needs its path: --nvme-path
             shown.show(alt.change, alt.candidate, alt.gpus)
-    from longft.cli.overlay_file import run_line
+    from longft.cli.overlay_file import experiment_of, run_line
 
     if shown.written:
-        print(f"\nwrote (each runs as a DVC experiment named after its file; {a.out} itself is not "
-              "written, the asked run does not fit):")
+        print(f"\nwrote (each runs as a DVC experiment named after its file and params; {a.out} "
+              "itself is not written, the asked run does not fit):")
     for p in shown.written:
-        print(f"  {p}: {run_line(p)}")
+        print(f"  {p}: {run_line(p)}  (experiment {experiment_of(p)})")
     rec = recommended(alts)
     if rec is None:
         print("\nno single change makes it fit; the longest contexts above are what fits")
@@ -99,8 +107,9 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
           f"Its overlay (merge onto {a.params}; `longft placement ... {rec.flags}` "
           "searches it as the asked run):")
     write_overlay(None, overlay(c, rec.gpus, model_over, None), c, gpu_mem=a.gpu_mem,
-                  host_mem=a.host_mem, title=f"longft placement, instead of the asked run: {rec.change}")
+                  host_mem=a.host_mem, title=f"longft placement, instead of the asked run: {rec.change}",
+                  params_batch=params_batch)
     path = _alt_path(a.out, rec.change) if a.out else None
     if path in shown.written:
-        print(f"run it: {run_line(path)}")
+        print(f"run it: {run_line(path)}  (experiment {experiment_of(path)})")
     return 1

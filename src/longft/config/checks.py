@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from longft.config import block_sparse, cpu_rules, qlora
-from longft.config.sections import Config
+from longft.config.sections import GENERATED_SOURCES, PATH_SOURCES, Config
 
 
 def problems(cfg: Config) -> list[str]:
@@ -24,16 +24,29 @@ def _data(cfg: Config) -> list[str]:
     d = cfg.data
     p = _positive("data.max_seq_length", d.max_seq_length)
     if d.num_samples is None:
-        if d.source in ("synthetic", "random"):
+        if d.source in GENERATED_SOURCES:
             p.append(f"data.num_samples: required for source {d.source!r} (how many samples to "
                      f"generate), got null")
     elif d.num_samples <= 0:
         p.append(f"data.num_samples: must be > 0, got {d.num_samples}"
-                 + ("" if d.source in ("synthetic", "random") else "; null reads every record"))
+                 + ("" if d.source in GENERATED_SOURCES else "; null reads every record"))
     if d.eval_samples < 0:
         p.append(f"data.eval_samples: must be >= 0 (0 = no held-out split), got {d.eval_samples}")
-    if d.source in ("jsonl", "parquet", "hf") and not d.path:
-        p.append(f"data.path: required for source {d.source!r} (a file or dataset name)")
+    if isinstance(d.path, tuple) and len(d.path) == 1:
+        p.append(f"data.path: one path, got a list ({list(d.path)}); write it without brackets: "
+                 f"data.path: {d.path[0]}")
+    elif isinstance(d.path, tuple):
+        p.append(f"data.path: one path, got a list of {len(d.path)} ({list(d.path)}); a run reads "
+                 f"one file (concatenate jsonl files into one: `cat a.jsonl b.jsonl > "
+                 f"all.jsonl`), or one directory of .txt/.md documents with data.source: text_dir")
+    elif d.source in PATH_SOURCES and not d.path:
+        what = "a directory of .txt/.md files" if d.source == "text_dir" else \
+            "a file or dataset name"
+        p.append(f"data.path: required for source {d.source!r} ({what})")
+    if d.source == "text_dir" and d.format not in ("auto", "text"):
+        p.append(f"data.format: {d.format!r}, but source 'text_dir' reads each file as one text "
+                 f"record; set data.format: auto (or text), or give {d.format} records in a jsonl "
+                 f"with data.source: jsonl")
     return p
 
 

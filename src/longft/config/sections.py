@@ -27,14 +27,17 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: Literal["synthetic", "random", "jsonl", "parquet", "hf"] = "synthetic"
+    source: Literal["synthetic", "random", "jsonl", "parquet", "hf", "text_dir"] = "synthetic"
     """synthetic: generated retrieval-with-citation task; random: random token ids (benchmarks);
-    jsonl/parquet: a local file; hf: a `datasets` name or a directory written by save_to_disk."""
-    path: Optional[str] = None
-    """File for jsonl/parquet, dataset name or path for hf; unused for synthetic/random."""
+    jsonl/parquet: a local file; hf: a `datasets` name or a directory written by save_to_disk;
+    text_dir: a directory of .txt/.md documents, each file one `text` record (data/text_dir.py)."""
+    path: Union[str, tuple[str, ...], None] = None
+    """File for jsonl/parquet, dataset name or path for hf, directory for text_dir; unused for
+    synthetic/random. One path: a list is read only to be refused with the fix (checks.py)."""
     split: str = "train"
     format: Literal["auto", "messages", "prompt_completion", "text"] = "auto"
-    """Record layout; auto picks from the keys of the first record."""
+    """Record layout; auto picks from the keys of the first record, and a file holds one layout.
+    text_dir: text (auto means text)."""
     num_samples: Optional[int] = 48
     """synthetic / random: how many samples to generate (required). Files and datasets: null =
     every record; a number caps the records read, and prepare then says how many were left out
@@ -66,6 +69,12 @@ class DataConfig:
     train; random: none (random ids have nothing to learn). A count, not a fraction: one eval
     costs the same whatever the size of the dataset, and the retrieval score's bins need a few
     dozen samples even from a small one."""
+
+
+PATH_SOURCES = ("jsonl", "parquet", "hf", "text_dir")
+"""The data.source values that read data.path."""
+GENERATED_SOURCES = ("synthetic", "random")
+"""The data.source values that generate their samples, as many as data.num_samples asks for."""
 
 
 LONGFT_PACKED_KERNELS = ("varlen", "per_document", "flash_attn_4")
@@ -148,6 +157,10 @@ class HardwareConfig:
     (artifacts/plan.json, process-tree RSS of this node) with the RAM available now and refuses to
     start when it does not fit. false skips the check (e.g. when the estimate is known to be too
     high for this machine)."""
+    gpu_mem_check: bool = True
+    """Before any rank starts, the train stage refuses to start when another process (a second
+    job) holds memory on a GPU this run will use and what is free there is below one rank's
+    predicted need (artifacts/plan.json). false skips the check."""
     bind_cores: bool = False
     """Bind each rank to its own share of the CPU cores and their NUMA memory (DeepSpeed launcher's
     --bind_cores_to_rank, through numactl; sets OMP_NUM_THREADS): CPU Adam's threads stop
@@ -342,8 +355,8 @@ class TrackConfig:
     (`dvc add PATH` first; data/tracked.py)."""
 
     data: str = NOTHING_TO_TRACK
-    """data.path when it is a local file or directory (jsonl, parquet, a save_to_disk dataset), or
-    a directory above it. Deps of: prepare."""
+    """data.path when it is a local file or directory (jsonl, parquet, a save_to_disk dataset, a
+    text_dir folder), or a directory above it. Deps of: prepare."""
     model: str = NOTHING_TO_TRACK
     """model.name when it is a local directory (pretrained) or a config.json outside
     configs/models (random). Deps of: prepare, patch, train."""

@@ -27,6 +27,7 @@ from longft.data.records import RecordReader
 from longft.data.split import sample_info, scoring_fields, split_samples
 from longft.data.store import EVAL_DIR, SAMPLES, DatasetWriter
 from longft.data.synthetic import synthetic_records
+from longft.data.text_dir import ignored_note
 from longft.data.tokenize import IGNORE_INDEX, Sample, chat_token_count, tokenize_record
 from longft.model.loading import check_context_length, check_vocab, load_model_config, load_tokenizer
 
@@ -161,7 +162,8 @@ def _drops(stats: dict, reader: RecordReader | None, untrainable: int, split: in
 
 def drop_notes(stats: dict, dc) -> list[str]:
     """One line per way records or tokens were lost, with the fix (printed and in stats.json)."""
-    notes = [stats.pop("cap_note", None)]
+    notes = [stats.pop("cap_note", None),
+             ignored_note(dc.path) if dc.source == "text_dir" else None]
     skipped = dict(stats.get("skipped", {}))
     too_long = skipped.pop("too_long", 0)
     if too_long:
@@ -171,7 +173,7 @@ def drop_notes(stats: dict, dc) -> list[str]:
     if skipped:
         notes.append(f"{sum(skipped.values())} malformed record(s) skipped (data.on_bad_record: "
                      f"skip): " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
-                     + "; set data.on_bad_record: error to see each with its line")
+                     + "; set data.on_bad_record: error to see each with its file and line")
     if stats.get("dropped_untrainable_samples"):
         notes.append(f"{stats['dropped_untrainable_samples']} sample(s) dropped with no trained "
                      f"token left (after truncation the answer was gone, or nothing but the first "
@@ -209,6 +211,14 @@ def documents_per_row(counts: list[int]) -> dict:
             "histogram": hist}
 
 
+def attention_length(doc_lengths: list[int]) -> float | None:
+    """sum(L_i^2) / sum(L_i) over the documents: the span a token's causal attention covers on
+    average, as the FLOPs count it (packed rows attend per document; the same number a run's
+    train.json reports). `longft placement --data` predicts speed at it."""
+    tokens = sum(doc_lengths)
+    return round(sum(n * n for n in doc_lengths) / tokens, 1) if tokens else None
+
+
 def prepare(cfg: Config, out_dir: str | Path) -> dict:
     """Prepare cfg.data into out_dir (replacing it only on success); return the stats written."""
     dc, length = cfg.data, cfg.data.max_seq_length
@@ -227,6 +237,7 @@ def prepare(cfg: Config, out_dir: str | Path) -> dict:
                      sample_length_histogram=length_histogram([length] * n))
         rows = random_rows(n, length, model_config.vocab_size, cfg.train.seed)
         pad_counts = [0] * n
+        doc_lengths = [length] * n
         held = []  # random ids have nothing to learn: no held-out split
     else:
         tok = load_tokenizer(cfg.model)
@@ -239,6 +250,7 @@ def prepare(cfg: Config, out_dir: str | Path) -> dict:
         rows = iter_rows(samples, plan, length, tok.pad_token_id)
         pad_counts = [length - sum(len(samples[i]) for i in row) for row in plan]
         docs_per_row = [len(row) for row in plan]
+        doc_lengths = [len(samples[i]) for row in plan for i in row]
     with DatasetWriter(out_dir, n, length) as writer:
         for i, (ids, labels, pos) in enumerate(rows):
             writer.write(i, ids, labels, pos)
@@ -246,7 +258,8 @@ def prepare(cfg: Config, out_dir: str | Path) -> dict:
         stats.update(rows=n, tokens=tally.tokens, trainable_tokens=tally.trainable,
                      padding_tokens=tally.padding,
                      packing_efficiency=round(tally.tokens / (n * length), 4),
-                     documents_per_row=documents_per_row(docs_per_row))
+                     documents_per_row=documents_per_row(docs_per_row),
+                     attention_length=attention_length(doc_lengths))
         stats["eval"] = _write_eval(writer, held, score, cfg, tok) if held else \
             {"samples": 0, "rows": 0, "tokens": 0, "trainable_tokens": 0, "scored_samples": 0,
              "sample_length_histogram": {}}

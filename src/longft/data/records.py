@@ -1,13 +1,16 @@
-"""Read training records from a jsonl file, a parquet file or a `datasets` dataset.
+"""Read training records from a jsonl file, a parquet file, a `datasets` dataset or a directory of
+text files (text_dir.py: each file one text record).
 
 Three record layouts are understood (extra keys are ignored):
 - messages: {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}
   (chat, as in THUDM/LongCite-45k, whose records also carry keys such as "idx" and "dataset");
 - prompt_completion: {"prompt": "...", "completion": "..."};
 - text: {"text": "..."}.
-`data.format: auto` picks the layout from the keys of the first record. Every record keeps where it
-came from (`file:line` for jsonl, `path row N` otherwise) so that a malformed one is reported
-precisely; `data.on_bad_record` decides whether it stops the run or is skipped and counted.
+`data.format: auto` picks the layout from the keys of the first record, and a file holds one layout:
+a later record of another layout stops the stage (skipping it would drop every record of that
+layout). Every record keeps where it came from (`file:line` for jsonl, `path row N` for parquet and
+datasets, the file for text_dir) so that a malformed one is reported precisely;
+`data.on_bad_record` decides whether it stops the run or is skipped and counted.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from longft.config.params import DataConfig
+from longft.config.sections import PATH_SOURCES
 from longft.data.errors import BadRecords, DataError
+from longft.data.text_dir import TextFile, text_files
 
 FORMATS = ("messages", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant", "tool")
@@ -31,7 +36,7 @@ class Record:
     """One validated record. Only the fields of its `format` are set."""
 
     where: str
-    """Origin for error messages: `file.jsonl:12` or `path row 11`."""
+    """Origin for error messages: `file.jsonl:12`, `path row 11`, or the file (text_dir)."""
     format: str
     messages: tuple[dict, ...] = ()
     prompt: str = ""
@@ -164,7 +169,10 @@ def _hf_dataset(name: str, split: str):
     import datasets
 
     p = Path(name)
-    if p.is_dir() and any((p / f).is_file() for f in ("dataset_dict.json", "state.json")):
+    saved = p.is_dir() and any((p / f).is_file() for f in ("dataset_dict.json", "state.json"))
+    if p.is_dir() and not saved:
+        _refuse_text_lines(p)
+    if saved:
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
@@ -183,9 +191,28 @@ def _hf_dataset(name: str, split: str):
     return ds
 
 
+def _refuse_text_lines(p: Path) -> None:
+    """A plain directory that `datasets` would read with its `text` builder, one record per LINE of
+    its files (a folder of documents becoming thousands of one-line records): refused with the
+    fix. A directory of jsonl/parquet/csv files (a cloned hub dataset) loads as before."""
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(str(p)).name
+    except Exception:  # not a dataset directory at all: load_dataset says why, below
+        return
+    if builder == "text":
+        raise DataError(
+            f"data.path: {p} is a plain directory of text files, which data.source hf would read "
+            f"one line per record; for one document per .txt/.md file set data.source: text_dir "
+            f"(-S data.source=text_dir), for records put them in a jsonl with data.source: jsonl, "
+            f"or give a directory written by Dataset.save_to_disk")
+
+
 def _known_total(dc: DataConfig) -> int | None:
     """How many records the source holds, from its metadata (parquet footer, dataset length)
-    without reading them; None where only reading tells (jsonl: its lines are counted unparsed)."""
+    without reading them; None where the reader counts them unparsed (jsonl lines, text_dir
+    files)."""
     if dc.source == "parquet":
         import pyarrow.parquet as pq
 
@@ -198,6 +225,8 @@ def _known_total(dc: DataConfig) -> int | None:
 def _raw(dc: DataConfig) -> Iterator[tuple[str, Any]]:
     if dc.source == "hf":
         return _hf(dc.path, dc.split)
+    if dc.source == "text_dir":
+        return text_files(dc.path)
     path = Path(dc.path)
     if not path.is_file():
         raise DataError(f"data.path: {path} not found (data.source: {dc.source}); set data.path to "
@@ -206,7 +235,7 @@ def _raw(dc: DataConfig) -> Iterator[tuple[str, Any]]:
 
 
 class RecordReader:
-    """Iterates the validated records of `dc` (jsonl, parquet or hf), applying `bad`.
+    """Iterates the validated records of `dc` (jsonl, parquet, hf or text_dir), applying `bad`.
 
     After iteration: `records_read` counts every record met (skipped ones included), `format` is
     the layout used, and `records_capped` the records left unread because `dc.num_samples` valid
@@ -214,11 +243,14 @@ class RecordReader:
     """
 
     def __init__(self, dc: DataConfig, bad: BadRecords):
-        if dc.source not in ("jsonl", "parquet", "hf"):
+        if dc.source not in PATH_SOURCES:
             raise ValueError(f"RecordReader reads files and datasets, not source {dc.source!r}")
         self.dc = dc
         self.bad = bad
-        self.format: str | None = None if dc.format == "auto" else dc.format
+        self.format: str | None = "text" if dc.source == "text_dir" else \
+            None if dc.format == "auto" else dc.format
+        self._format_from: str | None = None
+        """Where data.format auto took the layout from (the first record)."""
         self.records_read = 0
         self.records_capped = 0
 
@@ -241,20 +273,21 @@ class RecordReader:
             if cap is not None and yielded >= cap:
                 total = _known_total(self.dc)   # parquet / hf: from metadata, nothing read
                 self.records_capped = (total - self.records_read if total is not None
-                                       else 1 + sum(1 for _ in raw))  # jsonl: counted, not parsed
+                                       else 1 + sum(1 for _ in raw))  # counted, not read
                 break
             self.records_read += 1
             try:
-                if isinstance(obj, _Line):
+                if isinstance(obj, (_Line, TextFile)):
                     obj = obj.decode_record(where)
                 if isinstance(obj, DataError):
                     raise obj
                 if self.format is None:
-                    self.format = detect_format(obj)
+                    self.format, self._format_from = detect_format(obj), where
                     if self.format is None:
                         raise self._undetectable(where, obj)
                 record = parse_record(obj, self.format, where)
             except DataError as e:
+                self._refuse_mixed(obj, where)
                 self.bad.handle(e)
                 continue
             yielded += 1
@@ -262,6 +295,17 @@ class RecordReader:
         if self.records_read == 0:
             raise DataError(f"data.path: {self.dc.path} has no records; check the file (or "
                             f"data.split for source hf)")
+
+    def _refuse_mixed(self, obj: Any, where: str) -> None:
+        """A record of another layout than the one data.format auto took from the first: a file
+        of two layouts, not a bad record (skipping would drop every record of that layout)."""
+        other = detect_format(obj) if self._format_from else None
+        if other and other != self.format:
+            raise DataError(
+                f"{where}: a {other!r} record, but data.format auto took the layout {self.format!r} "
+                f"from the first record ({self._format_from}), and one file holds one layout; "
+                f"split the file into one file per layout, or set data.format to the layout to "
+                f"train on")
 
     @staticmethod
     def _undetectable(where: str, obj: Any) -> DataError:

@@ -173,3 +173,26 @@ def held_out(path: str | Path = "data/prepared") -> tuple[PreparedDataset, list[
         raise DataError(f"{where}: unreadable {SAMPLES} ({type(e).__name__}: {e}); "
                         f"{_FIX.format(path=path)}") from None
     return data, samples
+
+
+def attention_shape(path: str | Path, seq_len: int) -> tuple[float, float]:
+    """(attention_length, padding share) of a prepared data set's training rows, from its
+    stats.json, for the speed heuristic (`longft placement --data`). DataError, naming the fix,
+    when it is missing, older than those numbers, or prepared at another length than seq_len (its
+    rows would pack differently)."""
+    stats_file = Path(path) / "stats.json"
+    fix = _FIX.format(path=path)
+    try:
+        stats = json.loads(stats_file.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{stats_file}: no prepared data set here; {fix}") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{stats_file}: unreadable ({type(e).__name__}: {e}); {fix}") from None
+    length, span = stats.get("max_seq_length"), stats.get("attention_length")
+    if length != seq_len:
+        raise DataError(f"{path} holds rows of {length} tokens, not {seq_len:,}: documents pack "
+                        f"differently at another length. Prepare it at {seq_len} (`dvc repro "
+                        f"prepare` with data.max_seq_length: {seq_len}), or leave out --data")
+    if not isinstance(span, (int, float)) or span <= 0:
+        raise DataError(f"{stats_file} has no attention_length (prepared by an older longft); {fix}")
+    return float(span), 1.0 - float(stats.get("packing_efficiency", 1.0))

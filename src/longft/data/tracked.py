@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 from longft.config.params import Config, ConfigError
+from longft.config.sections import PATH_SOURCES
 
 _SHIPPED = ("configs/models", "configs/tokenizers")
 
@@ -41,7 +42,7 @@ def local_inputs(cfg: Config) -> list[tuple[str, str, Path]]:
     """(track key, the param that names it, its path) for each local input of cfg."""
     out = []
     d, m = cfg.data, cfg.model
-    if d.path and d.source in ("jsonl", "parquet", "hf") and Path(d.path).exists():
+    if d.path and d.source in PATH_SOURCES and Path(d.path).exists():
         out.append(("data", "data.path", Path(d.path)))  # an hf name that is no directory: a hub id
     name = Path(m.name)
     if m.source == "pretrained" and name.is_dir():

@@ -25,6 +25,13 @@ def gib(n: float) -> float:
     return round(n / GIB, 3)
 
 
+def setup_from_dict(d: dict) -> Setup:
+    """The Setup of to_dict()'s "setup" (plan.json's estimate): fields a newer Setup added keep
+    their defaults, keys an older one had and this one lacks are ignored, lists become tuples."""
+    names = {f.name for f in dataclasses.fields(Setup)}
+    return Setup(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
+
+
 def to_dict(est: Estimate) -> dict:
     """JSON-able form: bytes and GiB, every item with its formula."""
     def items(where):

@@ -199,7 +199,8 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
            max_micro: int = 64, modes: tuple[str, ...] = MODES,
            share_grads: bool = True, states: tuple[str, ...] = ("fp32",),
            disk_gib: float | None = None, tunings: tuple[Tuning, ...] | None = None,
-           offloads: tuple[str, ...] | None = None, chunked_copy_back: bool = True) -> list[Candidate]:
+           offloads: tuple[str, ...] | None = None, chunked_copy_back: bool = True,
+           global_batch: int | None = None) -> list[Candidate]:
     """Every candidate (tuning x offload x offload_ratio x optimizer states x checkpointing x
     micro-batch 1..max_micro) that fits, and for each tuning x offload x ratio x states x mode that
     fits at no micro-batch its micro-batch-1 candidate (not fitting). Memory grows with the
@@ -207,10 +208,12 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
     (default: as `base` says); QLoRA candidates run on ZeRO-2, the others on ZeRO-3. `states`: the
     optimizer-state precisions the params allow (bf16 changes numerics: only when asked).
     `disk_gib`: free space under an NVMe path; None leaves NVMe out. `offloads`: a subset of
-    OFFLOADS to try. Candidates have one micro-step per step: with the optimizer on the CPU under
-    ZeRO-3 they share the host gradient buffer (zero.host_grad_buffer) unless `share_grads` is off
-    or the precision is fp16, and copy the updated weights back through pinned chunks where
-    zero.copy_back auto would (`copy_back_for`) unless `chunked_copy_back` is off."""
+    OFFLOADS to try. `global_batch` (a multiple of the world size): only the micro-batches that
+    divide it, the rest accumulated; None: one micro-step per step. With the optimizer on the CPU
+    under ZeRO-3 and one micro-step they share the host gradient buffer (zero.host_grad_buffer)
+    unless `share_grads` is off or the precision is fp16, and copy the updated weights back
+    through pinned chunks where zero.copy_back auto would (`copy_back_for`) unless
+    `chunked_copy_back` is off."""
     out = []
     for t in tunings or (Tuning.of(base),):
         tuned = t.apply(base)
@@ -220,7 +223,6 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
             opt, param = OFFLOADS[off]
             nvme = off == "opt(nvme)"
             stage = tuned.zero_stage
-            shared = share_grads and not why_not(stage, "nvme" if nvme else opt, 1, base.precision)
             for st in states:
                 first = dataclasses.replace(tuned, offload_optimizer=opt, offload_param=param,
                                             nvme=nvme, optimizer_states=st, offload_ratio=1.0)
@@ -230,10 +232,9 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
                     for mode in modes:
                         out += _scan(arch, dataclasses.replace(
                             first, checkpointing=mode, offload_ratio=ratio, grad_accum=1,
-                            gpu_layers=0, keep_attention=0,
-                            host_grad_buffer="shared" if shared else "full"),
+                            gpu_layers=0, keep_attention=0),
                             off, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, gpu_name=gpu_name,
-                            max_micro=max_micro, disk_gib=disk_gib)
+                            max_micro=max_micro, disk_gib=disk_gib, share=share_grads, batch=global_batch)
     return out
 
 
@@ -247,19 +248,24 @@ def copy_back_for(s: Setup, chunked: bool = True) -> str:
 
 
 def _scan(arch: dict, s: Setup, off: str, *, gpu_mem_gib: float, host_mem_gib: float,
-          gpu_name: str | None, max_micro: int, disk_gib: float | None) -> list[Candidate]:
+          gpu_name: str | None, max_micro: int, disk_gib: float | None, share: bool,
+          batch: int | None) -> list[Candidate]:
     """One placement's candidates over micro-batches 1.. until one does not fit (that one too when
-    it is micro-batch 1)."""
+    it is the first); with a global `batch`, those that divide it (accumulating the rest) until one
+    does not fit the GPU (accumulation's host buffers go where it ends)."""
     out = []
-    for m in range(1, max_micro + 1):
-        c = dataclasses.replace(s, micro_batch=m)
+    for m in (m for m in range(1, max_micro + 1) if not batch or batch % (m * s.world_size) == 0):
+        accum = batch // (m * s.world_size) if batch else 1
+        shared = share and not why_not(s.zero_stage, "nvme" if s.nvme else s.offload_optimizer, accum,
+                                       s.precision)
+        c = dataclasses.replace(s, micro_batch=m, grad_accum=accum, host_grad_buffer="shared" if shared else "full")
         if c.checkpointing != "none":
             c = keep_on_gpu(arch, c, gpu_mem_gib, host_mem_gib)
         e = estimate(arch, c)
         f = fits(e, gpu_mem_gib, host_mem_gib, disk_gib=disk_gib)
-        if f.ok or m == 1:
+        if f.ok or not out:
             out.append(Candidate(c, e, f, tokens_per_second(arch, c, gpu_name), off))
-        if not f.ok:
+        if f.gpu_ok is False or (not f.ok and not batch):
             break
     return out
 
@@ -364,36 +370,31 @@ def describe_placement(c: Candidate, tuning: bool = True) -> str:
             f"{s.checkpointing}{kept}, micro-batch {s.micro_batch}")
 
 
-def overlay(c: Candidate, gpus: int, model: dict | None = None,
-            nvme_path: str | None = None) -> dict:
-    """The params overlay for a candidate (merge onto the base params). It sets what the plan
-    chose, and leaves the rest of the base params alone: `model` is written only when given (the
-    plan was for another model than the base params' one), data only by its length; lora.rank,
-    lora.quantize, sparse.blocks, optim.name and zero.copy_back always, so that the merge trains
-    what was planned (LoRA planned over params that train sparse blocks sets the blocks to 0)."""
+def overlay(c: Candidate, gpus: int, model: dict | None = None, nvme_path: str | None = None) -> dict:
+    """The params overlay for a candidate (merge onto the base params): what the plan chose, the
+    rest of the base params left alone. `model` only when given (the plan was for another model
+    than the base params' one), data only by its length; lora.rank, lora.quantize, sparse.blocks,
+    optim.name, zero.copy_back and the global batch (with the candidate's accumulation) always, so
+    that the merge trains what was planned (LoRA over params that train sparse blocks sets 0 blocks)."""
     s = c.setup
     opt, param = OFFLOADS[c.offload]
-    out = {"model": model} if model else {}
     return {
-        **out,
+        **({"model": model} if model else {}),
         # packed or not: per-document attention needs no mask (kernels.packed_attention)
         "data": {"max_seq_length": s.seq_len},
         "hardware": {"num_gpus": gpus},
         # both always written: the overlay is merged onto the user's params, whose values would
         # otherwise survive where the plan chose none
-        "checkpointing": {"mode": s.checkpointing, "gpu_layers": s.gpu_layers,
-                          "keep_attention": s.keep_attention},
+        "checkpointing": {"mode": s.checkpointing, "gpu_layers": s.gpu_layers, "keep_attention": s.keep_attention},
         "zero": {"stage": s.zero_stage, "offload_optimizer": s.offload_device,
-                 "offload_param": "cpu" if param else "none",
-                 "offload_ratio": s.offload_ratio, "optimizer_states": s.optimizer_states,
-                 "host_grad_buffer": s.host_grad_buffer,
+                 "offload_param": "cpu" if param else "none", "offload_ratio": s.offload_ratio,
+                 "optimizer_states": s.optimizer_states, "host_grad_buffer": s.host_grad_buffer,
                  # auto where it resolves to the candidate's copy (a chunked in the base params
                  # would be refused where it cannot apply); deepspeed where the params chose it
                  "copy_back": "auto" if s.copy_back == copy_back_for(s) else s.copy_back,
                  **({"nvme_path": nvme_path} if s.nvme else {"nvme_path": None})},
         "lora": {"rank": s.lora_rank, "quantize": Tuning.of(s).quantize},
-        "sparse": {"blocks": s.sparse_blocks,
-                   **({"block_size": s.sparse_block_size} if s.sparse_blocks else {})},
+        "sparse": {"blocks": s.sparse_blocks, **({"block_size": s.sparse_block_size} if s.sparse_blocks else {})},
         "optim": {"name": s.optimizer},
-        "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus},
+        "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus * s.grad_accum},
     }

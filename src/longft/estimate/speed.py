@@ -1,10 +1,13 @@
 """The speed heuristic that ranks `longft placement`'s candidates: predicted seconds of an optimizer
 step and tokens/s for a Setup (compute at a fixed share of the peak, host copies, CPU or GPU Adam,
-NVMe, QLoRA's dequantization). Its constants and formula are in docs/estimator.md; it ranks, its
-absolute numbers are 8-14 % low on the measured rows.
+NVMe, QLoRA's dequantization), attention counted per document over the data's attention length.
+Its constants and formula, and how far off it is on the measured rows, are in docs/estimator.md;
+it ranks, its absolute numbers are rough.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from longft.estimate.arch import trainable_numels
 from longft.estimate.estimator import Setup, param_numels
@@ -36,7 +39,11 @@ speed. The plan says QLoRA speeds are unmeasured."""
 
 
 def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
-    """Predicted seconds of one optimizer step (grad_accum micro-steps) on one rank."""
+    """Predicted seconds of one optimizer step (grad_accum micro-steps) on one rank.
+
+    Attention is counted over `s.attention_length`, the span a token's causal attention covers:
+    sum(L_i^2) / sum(L_i) over the rows' documents (packed rows attend per document; a prepared
+    data set's stats.json and a run's train.json hold it); None: seq_len, one document a row."""
     from longft.estimate.flops import attention_flops, flops_per_token, peak_flops
 
     T = s.local_tokens  # sequence parallel: N micro-steps of seq / N tokens for each row
@@ -46,12 +53,14 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
     recompute = 1.0 if s.checkpointing == "none" else 4 / 3
     lora = (sum(trainable_numels(arch, s)) if s.lora_rank or s.sparse_blocks  # no frozen
             else None)                                                      # weights' gradients
-    micro = T * flops_per_token(arch, s.seq_len, lora_params=lora) * recompute / (ACHIEVED_FRACTION * peak)
+    # a dense [seq x seq] block mask (kernels.packed_attention: mask) computes the whole row
+    span = s.seq_len if s.block_mask or not s.attention_length else s.attention_length
+    micro = T * flops_per_token(arch, span, lora_params=lora) * recompute / (ACHIEVED_FRACTION * peak)
     micro *= 1 + MICRO_OVERHEAD_TOKENS / T
     skipped = skips_recompute(s.checkpointing, arch.get("model_type"))
     if s.checkpointing != "none" and s.keep_attention:  # their attention forward runs once
         kept = min(s.keep_attention, arch["num_hidden_layers"])
-        micro -= T * attention_flops(arch, s.seq_len) * kept / (ACHIEVED_FRACTION * peak)
+        micro -= T * attention_flops(arch, span) * kept / (ACHIEVED_FRACTION * peak)
     if s.tiled_mlp and tiles(T, s.tile_tokens) > 1 and not skipped:  # one more MLP forward
         mlp = 2 * 3 * arch["hidden_size"] * arch["intermediate_size"] * arch["num_hidden_layers"]
         micro += T * mlp / (ACHIEVED_FRACTION * peak)
@@ -94,5 +103,31 @@ def optimizer_seconds(arch: dict, s: Setup) -> float:
 
 
 def tokens_per_second(arch: dict, s: Setup, gpu_name: str | None) -> float:
-    """Predicted tokens/s of the whole job (all ranks)."""
-    return s.world_size * s.grad_accum * s.micro_batch * s.seq_len / step_seconds(arch, s, gpu_name)
+    """Predicted tokens/s of the whole job (all ranks), padding left out (`s.padding`) as a run's
+    own tokens/s leaves it out."""
+    tokens = s.world_size * s.grad_accum * s.micro_batch * s.seq_len * (1 - s.padding)
+    return tokens / step_seconds(arch, s, gpu_name)
+
+
+def speed_prediction(estimate: dict, arch: dict, gpu_name: str | None, measured: float | None,
+                     attention_length: float | None, padding: float | None) -> dict | None:
+    """A run's measured tokens/s beside the heuristic's for its own plan (`estimate`: plan.json's
+    itemised estimate, whose "setup" it reads), at the run's own attention length and padding
+    (train.json's attention_length and padding_fraction). None on CPU or a GPU whose peak FLOPS
+    flops.peak_flops does not know: the heuristic is about GPUs."""
+    from longft.estimate.estimator import rel_error
+    from longft.estimate.flops import peak_flops
+    from longft.estimate.format import setup_from_dict
+
+    if not measured or not estimate or "setup" not in estimate:
+        return None
+    s = setup_from_dict(estimate["setup"])
+    if s.device != "cuda" or not peak_flops(gpu_name, s.precision):
+        return None
+    s = dataclasses.replace(s, attention_length=attention_length, padding=padding or 0.0)
+    pred = tokens_per_second(arch, s, gpu_name)
+    whole = tokens_per_second(arch, dataclasses.replace(s, attention_length=None), gpu_name)
+    return {"predicted_tok_s": round(pred, 1), "measured_tok_s": measured,
+            "rel_error": rel_error(pred, measured), "attention_length": attention_length,
+            "whole_row_tok_s": round(whole, 1),
+            "doc": "docs/estimator.md#placement-search-and-speed-heuristic"}

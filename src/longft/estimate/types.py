@@ -119,6 +119,11 @@ class Setup:
     sparse_targets: tuple[str, ...] = ()  # the linears that train blocks (sparse.target_modules)
     optimizer: str = "adamw"         # adamw | adamw_8bit | paged_adamw_8bit (8-bit m, v on the GPU)
     sequence_parallel: int = 1       # hardware.sequence_parallel: each rank holds seq / N tokens
+    # the data, for the speed heuristic only (memory does not depend on them): sum(L_i^2) /
+    # sum(L_i) over the rows' documents (None: seq_len, one document a row) and the share of the
+    # rows' tokens that is padding (tokens/s then counts the rest, as a run's own does)
+    attention_length: float | None = None
+    padding: float = 0.0
 
     @property
     def frozen_base(self) -> bool:
@@ -143,6 +148,11 @@ class Setup:
         if sp < 1 or self.ranks_per_node % sp or self.seq_len % sp:
             p.append(f"sequence_parallel {sp} must be >= 1 and divide ranks_per_node "
                      f"({self.ranks_per_node}) and seq_len ({self.seq_len})")
+        if self.attention_length is not None and not 0 < self.attention_length <= self.seq_len:
+            p.append(f"attention_length {self.attention_length} must be in (0, seq_len "
+                     f"{self.seq_len}]")
+        if not 0 <= self.padding < 1:
+            p.append(f"padding {self.padding} must be in [0, 1)")
         if self.device not in ("cuda", "cpu"):
             p.append(f"device {self.device!r} is not cuda or cpu")
         if self.precision not in ("bf16", "fp16", "fp32"):

@@ -7,8 +7,10 @@
 
 Each prompt goes through the model's chat template (a user turn and the assistant's generation
 prompt), as in training. Held-out records (data.eval_samples, never trained on) are cut where
-their trained answer starts and printed with that answer as the reference. Greedy decoding unless
---temperature > 0. Runs on the GPU when there is one, else on the CPU (--device picks).
+their trained answer starts and printed with that answer as the reference; a record trained whole
+(`text`) is continued: its first part (half, or all but the last --max-new-tokens) is the prompt,
+the rest the reference (generate/prompts.py). Greedy decoding unless --temperature > 0. Runs on
+the GPU when there is one, else on the CPU (--device picks).
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ def generate(export, prompt_ids: list[int], max_new_tokens: int, temperature: fl
     return out[0, len(prompt_ids):].tolist()
 
 
+def _continued(p) -> str:
+    """The header's words for a held-out record trained whole (text), which is continued."""
+    if p.continued is None:
+        return ""
+    return (f": the start of a {p.continued}-token record trained whole (text), continued; "
+            f"reference: its last {len(p.reference)} tokens")
+
+
 def main(args: argparse.Namespace) -> int:
     from longft.engine.harmless_warnings import quiet
     from longft.generate.loading import load_export
@@ -97,10 +107,10 @@ def main(args: argparse.Namespace) -> int:
         tok = export.tokenizer
         prompts = [chat_prompt(tok, text, f"prompt {i}") for i, text in enumerate(args.prompt)]
         if args.held_out or not prompts:
-            prompts += held_out_prompts(args.data, args.held_out or 3)
+            prompts += held_out_prompts(args.data, args.held_out or 3, args.max_new_tokens)
         if not prompts:
-            raise UserError(f"{args.data}/eval: no held-out record has a prompt part (text records "
-                            "are trained from their first token); give prompts with --prompt")
+            raise UserError(f"{args.data}/eval: no held-out record has a trained token to answer "
+                            "or continue; give prompts with --prompt")
     except UserError as e:
         print(f"longft generate: {e}", file=sys.stderr)
         return 2
@@ -122,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
                else tok.decode(p.reference, skip_special_tokens=True),
                "output": tok.decode(new, skip_special_tokens=True)}
         results.append(res)
-        print(f"\n### {p.name} ({len(p.ids)} prompt tokens)")
+        print(f"\n### {p.name} ({len(p.ids)} prompt tokens{_continued(p)})")
         if args.show_prompt_chars:
             print("... " + res["prompt"][-args.show_prompt_chars:])
         if res["reference"] is not None:

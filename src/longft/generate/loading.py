@@ -122,8 +122,14 @@ def _adapter_on_its_base(export_dir: Path, info: dict, device: str):
     """(peft model, description): the adapter applied to the base it was trained on."""
     from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
 
+    from longft.model.loading import check_local
+
     base = expected_base(info)
     kind = base.get("quantize") or "none"
+    peft_config = PeftConfig.from_pretrained(str(export_dir))
+    # a base moved or renamed since training: said at once, not after the hub's retries
+    check_local(peft_config.base_model_name_or_path,
+                f"{export_dir}/adapter_config.json base_model_name_or_path")
     if kind == "none":
         return AutoPeftModelForCausalLM.from_pretrained(str(export_dir)), \
             f"adapter on {base.get('model')}"
@@ -132,7 +138,6 @@ def _adapter_on_its_base(export_dir: Path, info: dict, device: str):
 
     from longft.model.quantize import quantize_linears
 
-    peft_config = PeftConfig.from_pretrained(str(export_dir))
     dtype = getattr(torch, base.get("dtype") or "bfloat16")
     targets = tuple(base.get("target_modules") or peft_config.target_modules)
     model = AutoModelForCausalLM.from_pretrained(peft_config.base_model_name_or_path, dtype=dtype)

@@ -1,6 +1,12 @@
 """Prompts for `longft generate`: a user's text through the chat template, or the held-out records
 of data/prepared/eval (never trained on), cut where the trained answer starts, with that answer as
 the reference to compare against.
+
+A held-out record trained whole has no such cut: a `text` record (its first token is the only one
+without a label) or one prepared with data.train_on_prompt. It is continued instead: the prompt is
+its first part and the reference the rest (`continuation_cut`): the first half, or more when the
+record is long, so that the reference is at most --max-new-tokens (what the model writes is
+compared with a reference of the same length, and a long record's context is used).
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ class Prompt:
     ids: list[int]
     reference: list[int] | None = None
     """The held-out record's trained tokens (its answer); None for a user's prompt."""
+    continued: int | None = None
+    """A held-out record trained whole (text): its length; the prompt is its first part and the
+    reference the rest. None: a prompt cut before the trained answer, or a user's prompt."""
 
 
 def chat_prompt(tokenizer, text: str, name: str = "prompt") -> Prompt:
@@ -37,9 +46,16 @@ def chat_prompt(tokenizer, text: str, name: str = "prompt") -> Prompt:
     return Prompt(name, list(ids))
 
 
-def held_out_prompts(prepared: Path, n: int) -> list[Prompt]:
+def continuation_cut(length: int, max_new_tokens: int) -> int:
+    """Where a held-out record of `length` tokens trained whole is cut: after its first half, or
+    later so that the rest (the reference) is at most max_new_tokens tokens; at least 1."""
+    return max((length + 1) // 2, length - max_new_tokens, 1)
+
+
+def held_out_prompts(prepared: Path, n: int, max_new_tokens: int = 128) -> list[Prompt]:
     """The first n held-out samples of a prepared dataset, each cut before its first trained
-    token (the prompt) with the trained tokens as reference; UserError without a held-out split."""
+    token (the prompt) with the trained tokens as reference; a sample trained whole (text) is cut
+    at `continuation_cut` instead. UserError without a held-out split."""
     got = held_out(prepared)
     if got is None:
         raise UserError(f"{prepared}/eval: no held-out split (data.eval_samples 0 or data.source "
@@ -52,8 +68,12 @@ def held_out_prompts(prepared: Path, n: int) -> list[Prompt]:
         lo, hi = int(s["offset"]), int(s["offset"]) + int(s["length"])
         ids, lab = np.asarray(row[lo:hi], dtype=np.int64), np.asarray(labels[lo:hi], dtype=np.int64)
         trained = np.flatnonzero(lab != IGNORE)
-        if not len(trained) or trained[0] == 0:
-            continue  # nothing to answer (text records are trained from the first token)
-        out.append(Prompt(f"held-out {i}", ids[: trained[0]].tolist(),
-                          ids[trained[0]:][lab[trained[0]:] != IGNORE].tolist()))
+        if not len(trained):
+            continue  # nothing to answer
+        whole = trained[0] <= 1  # no prompt part: the first token of a document has no label
+        if whole and len(ids) < 2:
+            continue  # nothing to continue
+        cut = continuation_cut(len(ids), max_new_tokens) if whole else int(trained[0])
+        out.append(Prompt(f"held-out {i}", ids[:cut].tolist(), ids[cut:][lab[cut:] != IGNORE].tolist(),
+                          continued=len(ids) if whole else None))
     return out

@@ -83,6 +83,19 @@ def _visible_handles(nv) -> list:
     return handles
 
 
+def visible_gpus() -> tuple:
+    """(the initialised pynvml module, the NVML handles of the GPUs this process can see, in CUDA's
+    order); (None, []) without NVML or a GPU."""
+    nv = _nvml()
+    if nv is None:
+        return None, []
+    try:
+        return nv, _visible_handles(nv)
+    except Exception as e:  # noqa: BLE001 - NVML errors of a broken driver: no GPU to check
+        log.debug("NVML devices unavailable: %s", e)
+        return None, []
+
+
 def _text(x) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 

@@ -1,7 +1,7 @@
 """`longft report`: the reference study's results table (Setup | Model | Context Length | Peak VRAM
-(MiB) | Peak DRAM (GiB) | Throughput (token/s) | Batch Size), with the run's quality beside its
-cost (LR | LoRA Rank | Eval Loss | Retrieval (%)), over many runs, plus PNG plots of throughput and
-peak memory against context length and against GPU count.
+(MiB) | Peak DRAM (GiB) | Throughput (token/s) | Batch Size), with the data a run trained on (Data)
+and the run's quality beside its cost (LR | LoRA Rank | Eval Loss | Retrieval (%)), over many runs,
+plus PNG plots of throughput and peak memory against context length and against GPU count.
 
     longft report                                    # workspace, HEAD and its experiments
     longft report -A --out results.md --plots plots  # every commit and its experiments
@@ -34,13 +34,16 @@ from typing import Any, Optional
 
 from longft.atomic import write_text
 from longft.config.params import Config, ConfigError, from_dict
+from longft.config.sections import GENERATED_SOURCES
 from longft.metrics.run_sources import Run, exp_show, runs_from_bench, runs_from_exp_show
 
-COLUMNS = ("Setup", "Model", "Context Length", "Peak VRAM (MiB)", "Peak DRAM (GiB)",
+COLUMNS = ("Setup", "Model", "Data", "Context Length", "Peak VRAM (MiB)", "Peak DRAM (GiB)",
            "Throughput (token/s)", "Batch Size", "LR", "LoRA Rank", "Eval Loss", "Retrieval (%)")
 NUMERIC = 9
 """The last NUMERIC columns (Context Length on) are right-aligned."""
-DEFINITIONS = ("Peak VRAM: torch max allocated on the busiest GPU. Peak DRAM: RSS of the whole "
+DEFINITIONS = ("Data: data.source, or the file or dataset of data.path (eval losses on different "
+               "data do not compare). Peak VRAM: torch max allocated on the busiest GPU. Peak "
+               "DRAM: RSS of the whole "
                "process tree (launcher and ranks). Throughput: non-padding tokens per second over "
                "all GPUs, warm-up steps excluded. Batch Size: sequences per optimizer step. "
                "LR: optim.lr; LoRA Rank: 0 = full-parameter. Eval Loss: held-out loss after the "
@@ -58,7 +61,8 @@ class Row:
     gpus: int
     """World size: processes over all nodes."""
     mode: str
-    """ZeRO stage, offload and LoRA, e.g. "ZeRO-3 offload opt+param"."""
+    """ZeRO stage, offload, LoRA or block-sparse and a quantized base, e.g. "ZeRO-3 offload
+    opt+param", "ZeRO-2 offload opt LoRA r16 on nf4"."""
     seq_len: int
     vram_gib: Optional[float]
     dram_gib: Optional[float]
@@ -71,6 +75,8 @@ class Row:
     eval_loss: Optional[float] = None
     retrieval: Optional[float] = None
     """Held-out citation accuracy, 0..1 (None: no synthetic held-out split)."""
+    data: str = ""
+    """What it trained on, in short (`data_label`): "synthetic", "mydata/train.jsonl"."""
 
     @property
     def setup(self) -> str:
@@ -98,7 +104,32 @@ def _mode(cfg: Config) -> str:
     offload = [k for k, v in (("opt", z.offload_optimizer), ("param", z.offload_param))
                if v != "none"]
     out = f"ZeRO-{z.stage} " + (f"offload {'+'.join(offload)}" if offload else "no offload")
-    return out + (f" LoRA r{cfg.lora.rank}" if cfg.lora.rank > 0 else "")
+    if cfg.lora.rank > 0:
+        out += f" LoRA r{cfg.lora.rank}"
+    elif cfg.sparse.blocks:
+        out += f" block-sparse {cfg.sparse.blocks}x{cfg.sparse.block_size}^2"
+    else:
+        return out
+    q = cfg.lora.quantize  # the frozen base of the adapters or blocks (QLoRA: nf4)
+    return out + (f" on {q}" if q != "none" else "")
+
+
+DATA_LABEL_CHARS = 32
+"""A data.path longer than this is shown by its last part alone."""
+
+
+def data_label(cfg: Config) -> str:
+    """The data of a run in a few characters: data.source for generated data, else data.path as
+    written (its last part when long; an HF dataset's non-train split after a colon)."""
+    d = cfg.data
+    if d.source in GENERATED_SOURCES:
+        return d.source
+    path = str(d.path)
+    if len(path) > DATA_LABEL_CHARS:
+        path = ".../" + Path(path.rstrip("/")).name
+    if d.source == "hf":
+        return f"hf {path}" + (f":{d.split}" if d.split != "train" else "")
+    return path
 
 
 def _stale(cfg: Config, train: dict, env: dict) -> list[str]:
@@ -126,7 +157,7 @@ def to_row(run: Run) -> Row | str:
         return "metrics are from other params (" + "; ".join(stale) + ")"
     return Row(name=run.name, model=cfg.model.name, n_params=_num(run.env.get("n_params")),
                device=_device(run.env.get("gpu_name")), gpus=cfg.world_size, mode=_mode(cfg),
-               seq_len=cfg.data.max_seq_length,
+               seq_len=cfg.data.max_seq_length, data=data_label(cfg),
                vram_gib=_num((run.train.get("peak_vram") or {}).get("max_allocated_gib")),
                dram_gib=_num((run.train.get("peak_dram") or {}).get("rss_tree_gib")),
                tokens_per_s=_num(run.train.get("tokens_per_s")),
@@ -145,7 +176,7 @@ def build_rows(runs: list[Run]) -> tuple[list[Row], list[str]]:
             rows.append(got)
         else:
             notes.append(f"{run.name}: {got}")
-    rows.sort(key=lambda r: (r.n_params or 0, r.model, r.device, r.mode, r.gpus, r.seq_len))
+    rows.sort(key=lambda r: (r.n_params or 0, r.model, r.device, r.mode, r.gpus, r.seq_len, r.data))
     return rows, notes
 
 
@@ -165,16 +196,16 @@ def _batch(r: Row) -> str:
 def render_table(rows: list[Row], notes: list[str], source: str = "",
                  names: bool | None = False) -> str:
     """Markdown: the table (with a leading Run column when `names`; None: when two rows would
-    otherwise read the same setup, model and context), what the columns mean, and one line per
-    run left out."""
+    otherwise read the same setup, model, data and context), what the columns mean, and one line
+    per run left out."""
     if names is None:
-        names = len({(r.setup, r.model, r.seq_len) for r in rows}) < len(rows)
+        names = len({(r.setup, r.model, r.data, r.seq_len) for r in rows}) < len(rows)
     head = (("Run",) if names else ()) + COLUMNS
     lines = ["| " + " | ".join(head) + " |",
              "|" + "---|" * (len(head) - NUMERIC) + "---:|" * NUMERIC]
     for r in rows:
         cells = ((r.name,) if names else ()) + (
-            r.setup, r.model, str(r.seq_len),
+            r.setup, r.model, r.data, str(r.seq_len),
             _fmt(None if r.vram_gib is None else r.vram_gib * 1024, ",.0f"),
             _fmt(r.dram_gib, ".1f"), _fmt(r.tokens_per_s, ",.0f"), _batch(r),
             _fmt(r.lr, "g"), str(r.lora_rank), _fmt(r.eval_loss, ".4f"),
@@ -264,7 +295,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-A", "--all-commits", action="store_true",
                    help="every commit and its experiments (dvc exp show -A)")
     p.add_argument("--names", action="store_true", help="add a Run column (experiment name); added anyway when two "
-                   "rows share setup, model and context")
+                   "rows share setup, model, data and context")
     p.add_argument("--out", metavar="FILE", type=Path, help="write the markdown here, not stdout")
     p.add_argument("--plots", metavar="DIR", type=Path,
                    help="write " + " and ".join(PLOT_FILES) + " here (with --grid: GRID_STEM.png)")

@@ -45,12 +45,11 @@ from typing import Any, Optional
 
 from longft.atomic import write_bytes
 from longft.config.plan import Plan, PlanFileError
-from longft.estimate.estimator import compare
 from longft.estimate.flops import flops_per_token, mfu, peak_flops
 from longft.measure.monitor import util_over_windows
 from longft.metrics.eval import eval_metrics, eval_outputs, eval_records
-from longft.metrics.peak_disk import peak_disk
 from longft.metrics.plots import gib_timeline, memory_png, read_timeline, render_report, timeline_peaks
+from longft.metrics.predicted import predictions
 from longft.metrics.rank_logs import RankLog, read_json, read_ranks
 
 log = logging.getLogger(__name__)
@@ -293,10 +292,7 @@ def summarize(run_dir: Path, plan: Plan | None) -> tuple[dict, dict, list[dict]]
         env["host_cpu_count"] = mon.get("cpu_count")
         env["host_cpu"] = mon.get("cpu_model")  # a CPU run's speed depends on it
     train.update(eval_metrics(eval_records(ranks)))  # held-out quality next to the cost
-    est = plan.memory_estimate.estimate if plan is not None else None
-    if est is not None:
-        train["memory_prediction"] = compare(est, train)  # predicted vs measured, relative error
-    train.update(peak_disk(mon, est))  # offload_optimizer nvme: the swap files and the disk
+    train.update(predictions(plan, env_rec.get("gpu_name"), train, mon))  # memory, speed, disk
     return train, env, rows
 
 

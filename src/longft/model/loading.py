@@ -88,10 +88,56 @@ def _architecture_config(f: Path):
                          f"({e.__class__.__name__}: {str(e).splitlines()[0]}); fix the file") from None
 
 
+def _folders(d: Path) -> list[str]:
+    try:
+        return sorted(e.name for e in d.iterdir() if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return []
+
+
+TYPO_RATIO = 0.9
+"""How alike (difflib's ratio) a missing `owner/name` and a folder in a local `owner/` must be for
+the name to be read as that folder mistyped (`my-lama`/`my-llama` 0.93; `Llama-3.2-1B`/`Llama-3.1-8B`
+0.83, two hub models)."""
+
+
+def check_local(name: str, key: str) -> None:
+    """Refuse at once (ModelError) a model or tokenizer name that is meant as a local path and does
+    not exist, with what its folder holds and the closest name there. A name is meant as a local
+    path when it starts with `.`, `/` or `~` or has more than one `/`. `owner/name` is a hub id
+    unless a folder `owner/` exists here holding a near twin of `name` (`models/my-lama` where
+    `models/my-llama` is: a typo, SequenceMatcher ratio >= TYPO_RATIO); with a folder `owner/`
+    of other models (`meta-llama/Llama-3.1-8B` downloaded, `meta-llama/Llama-3.2-1B` asked) it is
+    still a hub id. Hub ids are left to from_pretrained (which retries huggingface.co for ~25 s
+    before it fails: never for a local typo)."""
+    p = Path(name)
+    marked = name.startswith((".", "/", "~")) or len(p.parts) > 2  # a hub id is [owner/]name
+    if p.exists() or not (marked or (len(p.parts) == 2 and p.parent.is_dir())):
+        return
+    if not marked and not difflib.get_close_matches(p.name, _folders(p.parent), n=1,
+                                                    cutoff=TYPO_RATIO):
+        return  # owner/ exists here, but nothing in it is this name mistyped: a hub id
+    full = p.expanduser()
+    if full.exists():  # transformers reads "~/x" as a hub id: it does not expand ~
+        raise ModelError(f"{key}: {name!r}: transformers does not expand '~'; write it as {full}")
+    folder = full.parent
+    while folder != folder.parent and not folder.is_dir():  # "." and "/" end the walk
+        folder = folder.parent
+    missing = full.parts[len(folder.parts)]
+    dirs = _folders(folder)
+    held = (", ".join(dirs[:12]) + (f", and {len(dirs) - 12} more" if len(dirs) > 12 else "")
+            if dirs else "no folder")
+    close = difflib.get_close_matches(missing, dirs, n=1)
+    guess = (f"; did you mean {Path(folder, close[0], *full.parts[len(folder.parts) + 1:])}?"
+             if close else "")
+    why = "" if marked else f" (read as a local path: {p.parent}/ exists here)"
+    shown = str(folder).rstrip("/") + "/"
+    raise ModelError(f"{key}: no directory {name} ({shown} holds: {held}){guess}{why}; give the "
+                     f"directory written by save_pretrained, or a hub id")
+
+
 def load_model_config(mc: ModelConfig):
     """The transformers config of the model (no weights are read)."""
-    from transformers import AutoConfig
-
     if mc.source == "random":
         f = _architecture_file(mc.name)
         if f is None:
@@ -100,6 +146,9 @@ def load_model_config(mc: ModelConfig):
                 f"({', '.join(shipped_architectures())}) nor a path to a config.json; "
                 f"pick one of those or set model.source: pretrained for a hub id")
         return _architecture_config(f)
+    check_local(mc.name, "model.name")
+    from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(mc.name, trust_remote_code=mc.trust_remote_code)
     except StrictDataclassError as e:
@@ -181,6 +230,7 @@ def load_tokenizer(mc: ModelConfig):
     from transformers import AutoTokenizer
 
     path = tokenizer_path(mc)
+    check_local(path, "model.tokenizer" if mc.tokenizer else "model.name")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -255,6 +305,7 @@ def build_model(mc: ModelConfig, attn_implementation: str, dtype):
         return AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation,
             trust_remote_code=mc.trust_remote_code)
+    check_local(mc.name, "model.name")
     try:
         return AutoModelForCausalLM.from_pretrained(
             mc.name, dtype=dtype, attn_implementation=attn_implementation,

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from longft.config.params import ConfigError, from_dict, merge
+from longft.config.sections import GENERATED_SOURCES
 from longft.estimate.max_context import SEQ_STEP
 from longft.estimate.types import CUDA_CONTEXT_BYTES, GIB
 from longft.hardware import TILED_MLP_FROM
@@ -116,7 +117,7 @@ def run_overlay(seq: int, iterations: int, global_batch: int, data_source: str,
                             "warmup_iterations": 1 if iterations > 1 else 0},
                   "output": {"save_checkpoint": False, "export": False, "checkpoint_every": 0,
                              "resume": False}}
-    if data_source in ("synthetic", "random"):   # one sample per row; files keep their read cap
+    if data_source in GENERATED_SOURCES:   # one sample per row; files keep their read cap
         over["data"]["num_samples"] = iterations * global_batch
     if vram_limit_gib is not None:
         over["hardware"] = {"vram_limit_gib": vram_limit_gib}

@@ -8,7 +8,9 @@ configuration (fingerprint and params). Before any rank starts, `Earlier.arrange
   and how to resume it. Nothing else deletes them: `rm -r checkpoints/other/<fingerprint>`
   (or checkpoints/other) does, by hand. A move is a rename: it costs no disk space;
 - brings this configuration's checkpoints (and measurements) back from
-  checkpoints/other/<fingerprint>/ when its params were set back: the run resumes them;
+  checkpoints/other/<fingerprint>/ when its params were set back: the run resumes them (a
+  completed run's final/ is not resumed: with no step-<N> beside it, the run retrains, and the
+  lines, here and where it was parked, say so);
 - moves runs/train of the run before aside (runs/.train.previous) when this run starts afresh;
 - says in one line which checkpoint the run resumes and why, or why none.
 A run that completed marks its configuration's record complete; a run of the same configuration
@@ -68,6 +70,18 @@ def _step_key(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+def _on_set_back(complete: bool, steps: list[str]) -> str:
+    """What setting a parked configuration's params back does (the parking line's last words):
+    an unfinished run resumes; a completed run's final/ is not resumed (engine/checkpoint.py
+    final_step), its newest periodic checkpoint is."""
+    if not complete:
+        return "Set them back to resume it"
+    if steps:
+        return f"Its run completed: set back, a run resumes its {steps[0]} and trains the steps after it again"
+    return ("Its run completed: set back, a run retrains it from step 0 (a completed run's final/ "
+            "is not resumed)")
+
+
 @dataclass
 class Earlier:
     """The moves made before a run (undone when it makes no step) and what to say about them."""
@@ -83,6 +97,8 @@ class Earlier:
     started: float = 0.0
     undone: bool = False  # finish() put everything back: the run made no step
     completed: int = -1  # a completed run of this configuration retrained: its newest step (0: none)
+    brought_back: Path | None = None  # checkpoints/other/<fp>/ this configuration came back from
+    brought_back_completed: bool = False  # and its run had completed
 
     @property
     def previous(self) -> Path:
@@ -186,9 +202,10 @@ class Earlier:
             diff = differences(record["params"], traj) if fp == owner and record.get("params") \
                 else None
             if diff:
+                steps = [n for n in shown if STEP_DIR.match(n)]
                 what = ("params that differ from this run's: " + "; ".join(diff[:6])
                         + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
-                        + ". Set them back to resume it")
+                        + ". " + _on_set_back(bool(record.get("complete")), steps))
             elif diff is not None:
                 what = ("the same params, fingerprinted by another longft version: it is not "
                         "resumed")
@@ -205,6 +222,7 @@ class Earlier:
         back = ckpt / OTHER / self.fingerprint
         if not back.is_dir():
             return
+        self.brought_back, self.brought_back_completed = back, bool(_read_record(back).get("complete"))
         for item in sorted(back.iterdir()):
             if item.name == RUN:
                 if self.run_dir.exists():
@@ -214,8 +232,9 @@ class Earlier:
                 self._move(item, ckpt / item.name)
         if not any(back.iterdir()):
             back.rmdir()
+        done = "; its run completed" if self.brought_back_completed else ""
         self.lines.append(f"train: checkpoints of this configuration brought back from {back}/ "
-                          "(its params were set back)")
+                          f"(its params were set back{done})")
 
     def _why(self, resume: bool) -> str:
         """The one line: which checkpoint this run resumes and why, or why none."""
@@ -232,6 +251,10 @@ class Earlier:
                     f"of this configuration (same training params, fingerprint "
                     f"{self.fingerprint}; output.resume)")
         mine = complete_steps(self.ckpt_dir, self.fingerprint)
+        if self.brought_back_completed and not mine:   # final/ of a finished run: not resumed
+            return (f"train: starting at step 0: the run of this configuration brought back from "
+                    f"{self.brought_back}/ completed (a completed run's final/ is not resumed); "
+                    f"this run retrains and measures itself")
         if mine and not resume:
             return (f"train: starting at step 0: output.resume is false (this configuration's "
                     f"checkpoints in {self.ckpt_dir}, step-{mine[0]} the newest, are not resumed; "

@@ -8,6 +8,13 @@ the RAM available right now (psutil's `available`: free plus reclaimable page ca
 be killed by the OOM killer minutes later, after the model was built and the buffers pinned; it is
 refused instead, with the numbers and the fixes. `hardware.host_mem_check: false` turns it off.
 
+gpu_memory(): a second job on the same card. When another process holds memory on a GPU this
+node's ranks will use, and what is free there is less than the estimate's need of one rank (its
+NVML-level peak, `memory_estimate.estimate.gpu`), the ranks would run out of GPU memory after the
+model was built; the run is refused instead, naming the processes. A GPU no other process uses
+is not checked (the patch stage already fitted the plan to the card). `hardware.gpu_mem_check:
+false` turns it off.
+
 writable(): runs/train, checkpoints/ and export/ must be directories this process can create and
 write files in (export/ is written beside itself, in a temporary folder, and renamed: its parent too), or
 the final checkpoint and the export would fail only after every step had trained.
@@ -21,12 +28,16 @@ from pathlib import Path
 
 from longft.config.params import Config
 from longft.config.plan import Plan
-from longft.estimate.types import GIB
+from longft.estimate.types import CUDA_CONTEXT_BYTES, GIB
 from longft.run.launch import LaunchError
 
 
 class HostMemoryError(LaunchError):
     """The planned run needs more host RAM than this machine has available."""
+
+
+class GpuMemoryError(LaunchError):
+    """Another process holds the GPU memory the planned run needs."""
 
 
 class OutputDirError(LaunchError):
@@ -109,19 +120,9 @@ def host_memory(cfg: Config, plan: Plan, available: int | None = None) -> str | 
     if need <= available:
         return (f"host RAM: predicted peak {need / GIB:.2f} GiB (plan.json), "
                 f"{available / GIB:.2f} GiB available")
-    resolved = plan.resolved
-    top = sorted((i for i in items if i.get("bytes")), key=lambda i: -i["bytes"])[:3]
+    top = _largest(items)
     biggest = "; ".join(f"{i['name']} {i['bytes'] / GIB:.2f} GiB" for i in top)
-    fixes = [f"lower data.max_seq_length ({cfg.data.max_seq_length}) or train.micro_batch_size "
-             f"({cfg.train.micro_batch_size})"]
-    if resolved.checkpointing.value == "cpu_offload":
-        fixes.append("use checkpointing.mode: gpu instead of cpu_offload (activation checkpoints "
-                     "stay in GPU memory)")
-    if cfg.zero.offload_param == "cpu":
-        fixes.append("set zero.offload_param: none (parameters stay in GPU memory)")
-    if cfg.zero.offload_optimizer == "cpu" and resolved.device.value == "cuda":
-        fixes.append("set zero.offload_optimizer: none if the GPUs have room for the optimizer states")
-    fixes.append("free host memory (close other jobs) or use a machine with more RAM")
+    fixes = _fixes(cfg, plan, {_kind(i["name"]) for i in top if i["bytes"] >= need / 10}, available)
     of_total = f" (of {total / GIB:.1f} GiB total)" if total else ""
     raise HostMemoryError(
         f"not enough host RAM for this run: the estimate predicts a peak of {need / GIB:.2f} GiB "
@@ -130,3 +131,103 @@ def host_memory(cfg: Config, plan: Plan, available: int | None = None) -> str | 
         "nothing was deleted. To fit: " + "; ".join(fixes) + ". `longft estimate` itemises the "
         "prediction; if it is wrong for this machine, set hardware.host_mem_check: false to start "
         "anyway.")
+
+
+def gpu_memory(cfg: Config, plan: Plan, device: str, gpus: tuple | None = None) -> str | None:
+    """Raise GpuMemoryError when another process holds memory on a GPU of this run and the free
+    memory there is below one rank's predicted need; else a one-line note (None when not checked:
+    CPU, the check off, no estimate, no NVML). `gpus`: (pynvml, visible handles), for tests."""
+    est = plan.memory_estimate.estimate
+    if device != "cuda" or not cfg.hardware.gpu_mem_check or not est:
+        return None
+    need = int(est["gpu"]["nvml_bytes"])
+    if cfg.hardware.vram_limit_gib is not None:  # an emulated card holds no more than its cap
+        need = min(need, int(cfg.hardware.vram_limit_gib * GIB) + CUDA_CONTEXT_BYTES)
+    if gpus is None:
+        from longft.measure.monitor import visible_gpus
+
+        gpus = visible_gpus()
+    nv, handles = gpus
+    if nv is None:
+        return None
+    busy, least = [], None
+    for i, h in enumerate(handles[:cfg.hardware.num_gpus]):
+        free = int(nv.nvmlDeviceGetMemoryInfo(h).free)
+        others = [p for p in nv.nvmlDeviceGetComputeRunningProcesses(h) if p.pid != os.getpid()]
+        if others and free < need:
+            held = ", ".join(f"pid {p.pid} ({_process_name(p.pid)}, "
+                             f"{(p.usedGpuMemory or 0) / GIB:.1f} GiB)" for p in others)
+            busy.append(f"GPU {i}: {free / GIB:.1f} GiB free, held by {held}")
+            least = free if least is None else min(least, free)
+    if not busy:
+        return f"GPU memory: a rank needs {need / GIB:.2f} GiB (plan.json); no other job holds it"
+    raise GpuMemoryError(
+        f"another job holds the GPU memory this run needs: a rank needs {need / GIB:.2f} GiB "
+        f"(NVML-level peak, artifacts/plan.json) but " + "; ".join(busy) + ". No rank was started "
+        "and nothing was deleted. To fit: wait for that job to end, run on another GPU "
+        f"(CUDA_VISIBLE_DEVICES), or plan for what is free (`longft placement --gpu-mem "
+        f"{least // GIB} ...`); if the estimate is wrong for this machine, set "
+        "hardware.gpu_mem_check: false to start anyway.")
+
+
+def _process_name(pid: int) -> str:
+    try:
+        import psutil
+
+        return " ".join(psutil.Process(pid).cmdline()[:3]) or psutil.Process(pid).name()
+    except Exception:  # noqa: BLE001 - gone, or another user's: the pid is enough
+        return "?"
+
+
+# Host items by what shrinks them (names of estimate/host.py and estimate/estimator.py): the
+# sequence and micro-batch shrink activations; LoRA, 8-bit or bf16 states and another placement
+# shrink model states (weights, gradients, optimizer); nothing in the params shrinks the fixed ones.
+ACTIVATIONS = ("activation checkpoints", "DataLoader")
+FIXED = ("process baseline", "flash-attn-4 runtime", "start-up peak above the baseline")
+MIXED = ("rank tensors",)   # a CPU run: the GPU items (weights, gradients, activations) in host RAM
+
+
+def _kind(name: str) -> str:
+    """"activations", "fixed", "mixed" or "states": what a host item of the estimate is."""
+    for kind, prefixes in (("activations", ACTIVATIONS), ("fixed", FIXED), ("mixed", MIXED)):
+        if name.startswith(prefixes):
+            return kind
+    return "states"
+
+
+def _largest(items) -> list:
+    """The three largest items of the host moment with the most bytes (start-up or training; an
+    item without phases counts in every moment): the items the predicted peak is made of."""
+    moments = {m for i in items for m in i.get("phases", ())} or {None}
+
+    def held(i, m):
+        return m is None or "phases" not in i or m in i["phases"]
+
+    peak = max(moments, key=lambda m: sum(i["bytes"] or 0 for i in items if held(i, m)))
+    return sorted((i for i in items if i.get("bytes") and held(i, peak)), key=lambda i: -i["bytes"])[:3]
+
+
+def _fixes(cfg: Config, plan: Plan, kinds: set[str], available: int) -> list[str]:
+    """The changes that shrink the largest items (`kinds`), then more RAM."""
+    fixes = []
+    if kinds & {"activations", "mixed"}:
+        micro = cfg.train.micro_batch_size
+        fixes.append(f"lower data.max_seq_length ({cfg.data.max_seq_length})"
+                     + (f" or train.micro_batch_size ({micro})" if micro > 1 else ""))
+        if plan.resolved.checkpointing.value == "cpu_offload":
+            fixes.append("use checkpointing.mode: gpu instead of cpu_offload (activation checkpoints "
+                         "stay in GPU memory)")
+    if kinds & {"states", "mixed"}:
+        smaller = ("LoRA or QLoRA (lora.rank, lora.quantize), 8-bit Adam (optim.name: adamw_8bit) "
+                   "or bf16 states (zero.optimizer_states: bf16)")
+        gpu = plan.hardware.get("gpu_mem_gib")  # Hardware.to_dict; None without a GPU
+        if plan.resolved.device.value == "cuda" and gpu:
+            gpus = f" --gpus {cfg.hardware.num_gpus}" if cfg.hardware.num_gpus > 1 else ""
+            host = int(available / GIB * 10) / 10
+            fixes.append(f"`longft placement --gpu-mem {gpu:g} --host-mem {host:g} --seq "
+                         f"{cfg.data.max_seq_length}{gpus} --lora any --quantize any --optimizer any "
+                         f"--optimizer-states any` finds a placement that fits, with {smaller}")
+        else:
+            fixes.append(f"fewer or smaller model states: {smaller}")
+    fixes.append("free host memory (close other jobs) or use a machine with more RAM")
+    return fixes

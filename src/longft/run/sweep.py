@@ -7,12 +7,17 @@
     longft sweep bench/grids/reference.yaml --only '8b-*'   # the rows whose name matches
     longft sweep GRID.yaml --overlays bench/configs/grid    # scripts/bench.py overlays (no DVC)
     longft sweep overlay.yaml --temp                        # a `longft placement` overlay, run now
+    longft sweep overlay.yaml --temp -n lora-16k            # ... under a name of one's own
 
 With --temp each row runs now, one after another, in the foreground, as
 `dvc exp run --temp -n NAME -S ...`: in a temporary copy of the workspace, which (params.yaml
 included) stays as it is, so every row starts from the same params and a failed row leaves nothing
 behind. A file that is one mapping (an overlay, as `longft placement --out` writes) is one row,
-named after the file (overlay.lora-r-16.yaml -> experiment overlay.lora-r-16).
+named after the file and a short hash of the params it sets (overlay.yaml -> experiment
+overlay-3fa8f8; `-n NAME` names it instead), so overlays written to one file name one after
+another never share a name. Before DVC runs anything, every row's name is looked up among the
+experiments of this commit (run/sweep_names.py): one of the same params is left out and said so,
+one of other params is refused with the fix.
 
 A grid file is a YAML list of rows. Each row maps dotted param keys (`zero.offload_param`) to
 values, plus an optional `name` for the experiment; YAML anchors and `<<:` merge keys share common
@@ -41,6 +46,7 @@ from longft.config.grid import NAME_RE, GridError, GridRow, overlay_name, parse_
 from longft.config.grid import nest as _nest
 from longft.config.params import ConfigError, from_dict, merge
 from longft.config.typed_yaml import DuplicateKeyError, load_yaml
+from longft.run import sweep_names
 
 _BARE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
 _HYDRA_WORDS = {"true", "false", "null", "nan", "inf"}
@@ -64,24 +70,37 @@ def validate(rows: list[GridRow], base: dict) -> list[str]:
     return problems
 
 
-def load(grid_path: Path, base_path: Path = Path("params.yaml"),
-         only: tuple[str, ...] = ()) -> list[GridRow]:
-    """Read, select (`only`: name globs) and validate a grid; raise SweepError listing all
-    problems."""
+def read_base(base_path: Path = Path("params.yaml")) -> dict:
+    """The params every row is merged onto; SweepError where they cannot be read."""
     try:
-        raw = read_raw(grid_path)   # the strict loader: a key given twice is refused
-    except GridError as e:
-        raise SweepError(e.problems, str(grid_path)) from None
-    try:
-        base = load_yaml(Path(base_path).read_text()) or {}
+        return load_yaml(Path(base_path).read_text()) or {}
     except DuplicateKeyError as e:
         raise SweepError([e.problem], str(base_path)) from None
     except (OSError, yaml.YAMLError) as e:
         hint = "" if Path(base_path).is_file() else f" (run from the folder with {base_path})"
         raise SweepError([f"{e}{hint}"], str(base_path)) from None
+
+
+def load(grid_path: Path, base_path: Path = Path("params.yaml"),
+         only: tuple[str, ...] = (), name: str | None = None) -> list[GridRow]:
+    """Read, select (`only`: name globs) and validate a grid; raise SweepError listing all
+    problems. `name`: the experiment name of a one-overlay file (default: its file name and a
+    hash of its params, `sweep_names.overlay_experiment`)."""
+    try:
+        raw = read_raw(grid_path)   # the strict loader: a key given twice is refused
+    except GridError as e:
+        raise SweepError(e.problems, str(grid_path)) from None
+    base = read_base(base_path)
     rows, problems = parse_grid(raw)
-    if isinstance(raw, dict) and rows and rows[0].name is None:   # one overlay: named by its file
-        rows = [dataclasses.replace(rows[0], name=overlay_name(grid_path))]
+    one = isinstance(raw, dict) and len(rows) == 1 and rows[0].name is None
+    if name is not None and not NAME_RE.fullmatch(name):
+        problems.append(f"-n {name!r} must match {NAME_RE.pattern}")
+    elif name is not None and not one:
+        problems.append("-n names the experiment of one overlay (a file that is one mapping of "
+                        "params); a grid's rows are named by their `name:`")
+    if one:
+        rows = [dataclasses.replace(rows[0], name=name or sweep_names.overlay_experiment(
+            grid_path, rows[0].overrides))]
     if only:
         rows = [r for r in rows if r.name and any(fnmatch.fnmatchcase(r.name, p) for p in only)]
         if not rows and not problems:
@@ -141,6 +160,18 @@ def write_overlays(rows: list[GridRow], out_dir: Path, note: str) -> list[Path]:
     return paths
 
 
+def _untaken(rows: list[GridRow], base_path: Path = Path("params.yaml")) -> list[GridRow]:
+    """The rows whose experiment does not exist on this commit yet (each one left out is said on
+    stdout); SweepError listing every row whose name an experiment of other params holds."""
+    run, same, clash = sweep_names.against_existing(rows, read_base(base_path), base_path,
+                                                    sweep_names.existing())
+    if clash:
+        raise SweepError(clash, "the names of this commit's experiments")
+    for line in same:
+        print(f"longft sweep: {line}")
+    return run
+
+
 # -- command line ------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,6 +179,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", default=(), metavar="GLOB",
                    help="only the rows whose name matches one of these globs")
     p.add_argument("--dry-run", action="store_true", help="print the dvc commands, run none")
+    p.add_argument("-n", "--name", help="the experiment name of one overlay (default: the file's "
+                   "name and a short hash of its params, e.g. overlay-3fa8f8)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--run", action="store_true",
                       help="after queuing, start the queue: dvc queue start --jobs 1")
@@ -160,10 +193,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        rows = load(args.grid, Path("params.yaml"), tuple(args.only))
+        rows = load(args.grid, Path("params.yaml"), tuple(args.only), args.name)
+        if not (args.dry_run or args.overlays):
+            rows = _untaken(rows)
     except SweepError as e:
-        print(f"longft sweep: {e}\nNothing was queued.", file=sys.stderr)
+        print(f"longft sweep: {e}\nNothing was run or queued.", file=sys.stderr)
         return 2
+    if not rows:
+        print("longft sweep: nothing to run: every row's experiment exists with its params")
+        return 0
     if args.overlays:
         for path in write_overlays(rows, args.overlays, f"{args.grid}"):
             print(path)
