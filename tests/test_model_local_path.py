@@ -47,7 +47,8 @@ def test_a_mistyped_local_path_fails_at_once_with_the_close_name_and_no_hub_call
         assert time.monotonic() - t < 1
         assert str(e.value).startswith("model.name: no directory models/my-lama (models/ holds: "
                                        "my-llama); did you mean models/my-llama? (read as a local "
-                                       "path: models/ exists here)")
+                                       "path: models/ exists here and holds a near twin; for "
+                                       "the hub model of that name, run from another directory)")
     with pytest.raises(ModelError, match=r"model.tokenizer: no directory \./toks \(\./ holds: models\)"):
         load_tokenizer(ModelConfig(source="random", tokenizer="./toks"))
     assert hub == []  # huggingface.co never asked
@@ -65,6 +66,13 @@ def test_a_hub_id_without_such_a_local_folder_still_goes_to_the_hub(hub):
     with pytest.raises(ModelError, match="cannot load a config for 'meta-llama/Llama-3.2-1B'"):
         load_model_config(ModelConfig(source="pretrained", name="meta-llama/Llama-3.2-1B"))
     assert hub[-1] == ("AutoConfig", "meta-llama/Llama-3.2-1B")
+    # a sibling that differs in its numbers only (another size of one family) is no typo either
+    shutil.copytree("models/my-llama", "meta-llama/Llama-3.2-3B")
+    with pytest.raises(ModelError, match="cannot load a config for 'meta-llama/Llama-3.2-1B'"):
+        load_model_config(ModelConfig(source="pretrained", name="meta-llama/Llama-3.2-1B"))
+    assert hub[-1] == ("AutoConfig", "meta-llama/Llama-3.2-1B")
+    with pytest.raises(ModelError, match="did you mean meta-llama/Llama-3.2-3B"):  # letters differ
+        load_model_config(ModelConfig(source="pretrained", name="meta-llama/Lama-3.2-3B"))
 
 
 def test_placement_model_goes_through_the_same_rule(hub, monkeypatch, capsys):

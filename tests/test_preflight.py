@@ -251,7 +251,7 @@ def test_a_second_job_on_the_card_is_refused_before_any_rank_starts():
         gpu_memory(cfg, plan, "cuda", (busy, [0, 1]))
     msg = str(e.value)
     assert "a rank needs 20.00 GiB" in msg and "GPU 1: 9.5 GiB free, held by pid 4242" in msg
-    assert "GPU 0" not in msg and "12.0 GiB" in msg and "--gpu-mem 9 " in msg
+    assert "GPU 0" not in msg and "12.0 GiB" in msg and "--gpu-mem 9.5 " in msg
     assert "hardware.gpu_mem_check: false" in msg and "nothing was deleted" in msg
     # enough free beside the other job, or the card free of others: it starts
     assert "no other job" in gpu_memory(cfg, plan, "cuda", (FakeNvml((60.0, []), (21.0, [(4242, 12.0)])),
@@ -267,6 +267,18 @@ def test_a_second_job_on_the_card_is_refused_before_any_rank_starts():
     off = from_dict({"hardware": {"num_gpus": 2, "gpu_mem_check": False}})
     assert gpu_memory(off, plan, "cuda", (busy, [0, 1])) is None
     assert gpu_memory(cfg, plan, "cuda", (None, [])) is None
+    # under a CUDA context free: no placement to suggest (--gpu-mem 0 is no answer)
+    with pytest.raises(LaunchError) as e:
+        gpu_memory(cfg, plan, "cuda", (FakeNvml((60.0, []), (0.4, [(4242, 79.0)])), [0, 1]))
+    assert "GPU 1: 0.4 GiB free" in str(e.value) and "longft placement" not in str(e.value)
+
+    class Unsupported(FakeNvml):  # NVML on MIG or vGPU: the query is not supported
+        NVMLError = RuntimeError
+
+        def nvmlDeviceGetComputeRunningProcesses(self, h):
+            raise self.NVMLError("Not Supported")
+    assert gpu_memory(cfg, plan, "cuda", (Unsupported((60.0, []), (9.5, [])), [0, 1])) == (
+        "GPU memory: not checked (NVML on GPU 0: Not Supported)")
 
 
 @pytest.mark.gpu

@@ -153,3 +153,16 @@ def test_placement_predicts_at_the_datas_documents(packed, tmp_path, monkeypatch
     assert chosen(text) != chosen(whole)
     assert main("placement", args[:7] + ["1024"] + args[8:] + ["--data", str(out)]) == 2
     assert "not 1,024" in capsys.readouterr().err
+
+
+def test_placement_at_the_datas_documents_when_nothing_fits(tmp_path, monkeypatch, capsys):
+    """Nothing fits: the longest-context search re-estimates at shorter lengths, where the data's
+    documents are cut to the length searched (a mean attention span of 3,810 tokens at 1,024)."""
+    monkeypatch.setattr("longft.hardware.detect", lambda: H200)
+    monkeypatch.setattr("longft.data.store.attention_shape", lambda path, seq: (3809.6, 0.0))
+    monkeypatch.chdir(tmp_path)
+    assert main("placement", ["--gpu-mem", "8", "--host-mem", "16", "--model", "llama3.1-8b",
+                              "--seq", "4096", "--params", "absent.yaml", "--data", "prepared"]) == 1
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "attention over 3,810 tokens on average" in out
+    assert re.search(r"longest context that fits .*\n .* tokens", out)

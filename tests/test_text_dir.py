@@ -95,6 +95,41 @@ def test_a_latin1_file_is_named_with_the_byte_and_the_fix(tmp_path):
     assert e.value.reason == "not_text"
 
 
+def test_the_fix_command_quotes_names_with_spaces_and_a_bom_file_names_its_own_bytes(tmp_path):
+    """A document named "My Report.txt" gets an iconv line a shell runs as printed; a UTF-8 file
+    with a byte-order mark and a Latin-1 byte names that byte where it is in the file."""
+    import subprocess
+
+    d = folder(tmp_path / "docs", {"My Report.txt": LATIN1})
+    with pytest.raises(DataError) as e:
+        list(reader(d))
+    cmd = re.search(r"`(iconv .*)`", str(e.value)).group(1)
+    subprocess.run(["bash", "-c", cmd], check=True)
+    assert (d / "My Report.txt").read_text(encoding="utf-8") == LATIN1.decode("latin-1")
+    (d / "My Report.txt").write_bytes(b"\xef\xbb\xbfhello\nw\xe9rld")
+    with pytest.raises(DataError, match=r"byte 0xe9 at offset 10 \(line 2\)"):
+        list(reader(d))
+
+
+def test_a_folder_linked_twice_is_read_by_its_first_path_in_name_order(tmp_path, monkeypatch):
+    """Which path reaches a folder that two links point at does not depend on the order the
+    filesystem lists them; a link into a hidden folder is read through its visible name."""
+    import os
+
+    d = folder(tmp_path / "docs", {"z_real/a.txt": "a\n", ".store/doc.txt": "doc\n"})
+    (d / "a_link").symlink_to(d / "z_real", target_is_directory=True)
+    (d / "docs").symlink_to(d / ".store", target_is_directory=True)
+    real_walk = os.walk
+
+    def walk(top, **kw):  # the filesystem lists sub-folders in reverse name order
+        for folder_, subs, files in real_walk(top, **kw):
+            subs.sort(reverse=True)
+            yield folder_, subs, files
+    for w in (real_walk, walk):
+        monkeypatch.setattr(os, "walk", w)
+        assert [x.where for x in reader(d)] == [str(d / "a_link/a.txt"), str(d / "docs/doc.txt")]
+
+
 @pytest.mark.parametrize("content", ["", " \n\n"])
 def test_an_empty_file_is_a_bad_record_named(tmp_path, content):
     d = folder(tmp_path / "docs", {"a.txt": text(10), "empty.txt": content})

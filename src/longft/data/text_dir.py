@@ -16,7 +16,9 @@ file, what is wrong and the fix. A data.path that does not exist, is not a direc
 
 from __future__ import annotations
 
+import codecs
 import os
+import shlex
 from pathlib import Path
 from typing import Iterator
 
@@ -43,6 +45,9 @@ def _walk(root: Path):
             subfolders[:] = []
             continue
         seen.add(real)
+        # in name order, hidden ones left out: which path reaches a folder linked twice does not
+        # depend on the order the filesystem lists them
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
         yield from (Path(folder, f) for f in files)
 
 
@@ -108,10 +113,10 @@ class TextFile:
             text = data.decode("utf-8-sig")
         except UnicodeDecodeError as e:
             problem, (name, encoding) = _decode_problem(data, e)
-            f = self.path
+            f, tmp = shlex.quote(str(self.path)), shlex.quote(f"{self.path}.utf8")
             return DataError(f"{where}: not UTF-8 text: {problem}; convert the file to UTF-8, e.g. "
-                             f"from {name}: `iconv -f {encoding} -t utf-8 -o {f}.utf8 {f} && "
-                             f"mv {f}.utf8 {f}`", "not_utf8")
+                             f"from {name}: `iconv -f {encoding} -t utf-8 -o {tmp} {f} && "
+                             f"mv {tmp} {f}`", "not_utf8")
         if "\x00" in text:  # valid UTF-8, but UTF-16 without a byte-order mark, or not text
             return DataError(f"{where}: not text: a NUL byte at offset {data.index(0)} (UTF-16 "
                              f"without a byte-order mark, or a binary file named .txt/.md); "
@@ -129,8 +134,9 @@ def _decode_problem(data: bytes, e: UnicodeDecodeError) -> tuple[str, tuple[str,
     iconv's)."""
     if data[:2] in _BOMS:
         return f"it starts with a {_BOMS[data[:2]][0]} byte-order mark", _BOMS[data[:2]]
-    line = data.count(b"\n", 0, e.start) + 1
-    return f"byte 0x{data[e.start]:02x} at offset {e.start} (line {line}): {e.reason}", _LATIN1
+    start = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)  # utf-8-sig
+    line = data.count(b"\n", 0, start) + 1                     # counts after the mark it dropped
+    return f"byte 0x{data[start]:02x} at offset {start} (line {line}): {e.reason}", _LATIN1
 
 
 def text_files(path: str) -> Iterator[tuple[str, TextFile]]:

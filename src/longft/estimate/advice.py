@@ -65,7 +65,7 @@ class Alternative:
 def _tiled(base: Setup, seq: int, t: Tuning, ask: Ask) -> Setup:
     """`base` at `seq`, with the tiled MLP as kernels.tiled_mlp auto would resolve it there for
     `t` (hardware.policy.resolve_tiled_mlp: from TILED_MLP_FROM tokens, never LoRA with dropout)."""
-    s = dataclasses.replace(base, seq_len=seq)
+    s = base.at_length(seq)
     if not ask.tiled_auto:
         return s
     return dataclasses.replace(s, tiled_mlp=seq >= TILED_MLP_FROM

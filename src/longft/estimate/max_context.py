@@ -31,7 +31,7 @@ def max_context(arch: dict, base: Setup, *, gpu_mem_gib: float | None, host_mem_
     """The longest seq (a multiple of `step`, <= max_seq) that fits; 0 if even `step` does not.
     Binary search: memory grows with the sequence length."""
     def ok(k: int) -> bool:
-        e = estimate(arch, dataclasses.replace(base, seq_len=k * step))
+        e = estimate(arch, base.at_length(k * step))
         return fits(e, gpu_mem_gib, host_mem_gib, vram_limit_gib).ok
 
     lo, hi = 0, max_seq // step            # ok(lo) holds (vacuously for 0)

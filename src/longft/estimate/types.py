@@ -7,6 +7,7 @@ are measured on the H200 rows; docs/estimator.md says how.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from longft.config import qlora
@@ -124,6 +125,13 @@ class Setup:
     # rows' tokens that is padding (tokens/s then counts the rest, as a run's own does)
     attention_length: float | None = None
     padding: float = 0.0
+
+    def at_length(self, seq: int) -> "Setup":
+        """This setup at another sequence length (a longest-context search): documents longer than
+        `seq` are cut to it, so the data's attention length is clamped to `seq`."""
+        span = self.attention_length
+        return dataclasses.replace(self, seq_len=seq,
+                                   attention_length=None if span is None else min(span, seq))
 
     @property
     def frozen_base(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
@@ -101,21 +102,31 @@ the name to be read as that folder mistyped (`my-lama`/`my-llama` 0.93; `Llama-3
 0.83, two hub models)."""
 
 
+def _typo_of(name: str, folder: str) -> bool:
+    """`name` reads as `folder` mistyped: alike, but not a sibling that differs in its numbers only
+    (`Llama-3.2-3B` beside a downloaded `Llama-3.2-1B`, `Qwen2.5-7B` beside `Qwen2.5-3B`: other
+    sizes or versions of one family, hub ids)."""
+    def letters(s: str) -> str:
+        return re.sub(r"[0-9]+", "#", s)
+    return letters(name) != letters(folder)
+
+
 def check_local(name: str, key: str) -> None:
     """Refuse at once (ModelError) a model or tokenizer name that is meant as a local path and does
     not exist, with what its folder holds and the closest name there. A name is meant as a local
     path when it starts with `.`, `/` or `~` or has more than one `/`. `owner/name` is a hub id
     unless a folder `owner/` exists here holding a near twin of `name` (`models/my-lama` where
     `models/my-llama` is: a typo, SequenceMatcher ratio >= TYPO_RATIO); with a folder `owner/`
-    of other models (`meta-llama/Llama-3.1-8B` downloaded, `meta-llama/Llama-3.2-1B` asked) it is
+    of other models (`meta-llama/Llama-3.1-8B` downloaded, `meta-llama/Llama-3.2-1B` asked), or of
+    siblings that differ in numbers only (`Llama-3.2-1B` downloaded, `Llama-3.2-3B` asked), it is
     still a hub id. Hub ids are left to from_pretrained (which retries huggingface.co for ~25 s
     before it fails: never for a local typo)."""
     p = Path(name)
     marked = name.startswith((".", "/", "~")) or len(p.parts) > 2  # a hub id is [owner/]name
     if p.exists() or not (marked or (len(p.parts) == 2 and p.parent.is_dir())):
         return
-    if not marked and not difflib.get_close_matches(p.name, _folders(p.parent), n=1,
-                                                    cutoff=TYPO_RATIO):
+    if not marked and not any(_typo_of(p.name, d) for d in difflib.get_close_matches(
+            p.name, _folders(p.parent), n=3, cutoff=TYPO_RATIO)):
         return  # owner/ exists here, but nothing in it is this name mistyped: a hub id
     full = p.expanduser()
     if full.exists():  # transformers reads "~/x" as a hub id: it does not expand ~
@@ -130,7 +141,8 @@ def check_local(name: str, key: str) -> None:
     close = difflib.get_close_matches(missing, dirs, n=1)
     guess = (f"; did you mean {Path(folder, close[0], *full.parts[len(folder.parts) + 1:])}?"
              if close else "")
-    why = "" if marked else f" (read as a local path: {p.parent}/ exists here)"
+    why = "" if marked else (f" (read as a local path: {p.parent}/ exists here and holds a near "
+                             f"twin; for the hub model of that name, run from another directory)")
     shown = str(folder).rstrip("/") + "/"
     raise ModelError(f"{key}: no directory {name} ({shown} holds: {held}){guess}{why}; give the "
                      f"directory written by save_pretrained, or a hub id")

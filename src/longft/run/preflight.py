@@ -152,8 +152,11 @@ def gpu_memory(cfg: Config, plan: Plan, device: str, gpus: tuple | None = None) 
         return None
     busy, least = [], None
     for i, h in enumerate(handles[:cfg.hardware.num_gpus]):
-        free = int(nv.nvmlDeviceGetMemoryInfo(h).free)
-        others = [p for p in nv.nvmlDeviceGetComputeRunningProcesses(h) if p.pid != os.getpid()]
+        try:
+            free = int(nv.nvmlDeviceGetMemoryInfo(h).free)
+            others = [p for p in nv.nvmlDeviceGetComputeRunningProcesses(h) if p.pid != os.getpid()]
+        except getattr(nv, "NVMLError", OSError) as e:  # MIG or vGPU: not supported there
+            return f"GPU memory: not checked (NVML on GPU {i}: {e})"
         if others and free < need:
             held = ", ".join(f"pid {p.pid} ({_process_name(p.pid)}, "
                              f"{(p.usedGpuMemory or 0) / GIB:.1f} GiB)" for p in others)
@@ -161,12 +164,13 @@ def gpu_memory(cfg: Config, plan: Plan, device: str, gpus: tuple | None = None) 
             least = free if least is None else min(least, free)
     if not busy:
         return f"GPU memory: a rank needs {need / GIB:.2f} GiB (plan.json); no other job holds it"
+    plan_free = (f", or plan for what is free (`longft placement --gpu-mem {least / GIB:.1f} ...`)"
+                 if least > CUDA_CONTEXT_BYTES else "")   # less than a CUDA context: nothing to plan
     raise GpuMemoryError(
         f"another job holds the GPU memory this run needs: a rank needs {need / GIB:.2f} GiB "
         f"(NVML-level peak, artifacts/plan.json) but " + "; ".join(busy) + ". No rank was started "
         "and nothing was deleted. To fit: wait for that job to end, run on another GPU "
-        f"(CUDA_VISIBLE_DEVICES), or plan for what is free (`longft placement --gpu-mem "
-        f"{least // GIB} ...`); if the estimate is wrong for this machine, set "
+        f"(CUDA_VISIBLE_DEVICES){plan_free}; if the estimate is wrong for this machine, set "
         "hardware.gpu_mem_check: false to start anyway.")
 
 
