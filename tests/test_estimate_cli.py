@@ -207,6 +207,16 @@ def test_placement_keeps_the_params_global_batch(tmp_path, on, capsys):
     out = capsys.readouterr().out
     assert t["global_batch_size"] == 3 and "note: global batch changed from 2 to 3: " in out
     assert "# note: global batch changed from 2 to 3 (" in (tmp_path / "ov.yaml").read_text()
+    # two nodes of --gpus each: the batch counts every rank, and the merged params load
+    (tmp_path / "hostfile").write_text("node1 slots=2\nnode2 slots=2\n")
+    two = write_params(tmp_path, train={"micro_batch_size": 1, "global_batch_size": 4},
+                       hardware={"num_nodes": 2, "num_gpus": 2,
+                                 "hostfile": str(tmp_path / "hostfile")})
+    t = place(["--params", str(two)], gpus=3)
+    assert t["global_batch_size"] == 6 and "changed from 4 to 6 (train.global_batch_size: " \
+        "micro-batch 1 x 6 GPU(s) x 1 accumulation" in (tmp_path / "ov.yaml").read_text()
+    merged = merge(yaml.safe_load(two.read_text()), yaml.safe_load((tmp_path / "ov.yaml").read_text()))
+    assert from_dict(merged).world_size == 6
 
 
 def test_placement_says_what_is_closest_when_nothing_fits(tmp_path, on, capsys):

@@ -28,16 +28,16 @@ def experiment_of(path: str | Path) -> str:
     return overlay_experiment(Path(path), rows[0].overrides)
 
 
-def batch_changed(ov: dict, params_batch: int | None) -> str | None:
+def batch_changed(ov: dict, s, params_batch: int | None) -> str | None:
     """"global batch changed from A to B" where the overlay sets another global batch than the
-    params' (runs at other global batches differ in more than their placement); None where not."""
-    t, gpus = ov["train"], ov["hardware"]["num_gpus"]
+    params' (runs at other global batches differ in more than their placement); None where not.
+    `s` is the candidate's Setup: its GPUs over all nodes and its accumulation."""
+    t = ov["train"]
     if params_batch is None or t["global_batch_size"] == params_batch:
         return None
-    accum = t["global_batch_size"] // (t["micro_batch_size"] * gpus)
     return (f"global batch changed from {params_batch} to {t['global_batch_size']} "
-            f"(train.global_batch_size: micro-batch {t['micro_batch_size']} x {gpus} GPU(s) x "
-            f"{accum} accumulation step(s))")
+            f"(train.global_batch_size: micro-batch {t['micro_batch_size']} x {s.world_size} GPU(s) x "
+            f"{s.grad_accum} accumulation step(s))")
 
 
 def write_overlay(out: str | None, ov: dict, c: Candidate, *, gpu_mem: float, host_mem: float,
@@ -47,7 +47,7 @@ def write_overlay(out: str | None, ov: dict, c: Candidate, *, gpu_mem: float, ho
     it changes the params' global batch (`params_batch`) (and say so unless `quiet`)."""
     import yaml
 
-    changed = batch_changed(ov, params_batch)
+    changed = batch_changed(ov, c.setup, params_batch)
     warn = "".join(f"# warning: {w}\n" for w in near_budget(c, gpu_mem, host_mem))
     warn += f"# note: {changed}\n" if changed else ""
     head = (f"# {title}: {describe(c.setup)}\n"

@@ -171,8 +171,9 @@ def _config(a):
     model_over, model_note = _model_overlay(a, base_cfg, shipped)
     if base_cfg is None:     # no params to keep a model from: the overlay names it
         model_over = {"name": a.model, **({"source": "random"} if shipped else {})}
+    nodes = base_cfg.hardware.num_nodes if base_cfg else 1   # --gpus is per node, as num_gpus
     over = {"data": {"max_seq_length": a.seq}, "hardware": {"num_gpus": a.gpus},
-            "train": {"micro_batch_size": 1, "global_batch_size": a.gpus},
+            "train": {"micro_batch_size": 1, "global_batch_size": a.gpus * nodes},
             **({"model": model_over} if model_over else {})}
     if a.sparse_blocks is not None:   # blocks in place of the params' own and of their LoRA
         over["sparse"] = {"blocks": a.sparse_blocks,

@@ -43,7 +43,7 @@ class _Overlays:
         ov = overlay(c, gpus, self.model_over, None)
         print(f"{'':6s}overlay: " + yaml.safe_dump(ov, default_flow_style=True, sort_keys=False,
                                                    width=1 << 16).strip())
-        changed = batch_changed(ov, self.params_batch)
+        changed = batch_changed(ov, c.setup, self.params_batch)
         if changed:  # said beside the line a user copies, not only in the written file's header
             print(f"{'':6s}note: {changed}")
         if self.a.out:

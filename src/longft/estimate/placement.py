@@ -396,5 +396,5 @@ def overlay(c: Candidate, gpus: int, model: dict | None = None, nvme_path: str |
         "lora": {"rank": s.lora_rank, "quantize": Tuning.of(s).quantize},
         "sparse": {"blocks": s.sparse_blocks, **({"block_size": s.sparse_block_size} if s.sparse_blocks else {})},
         "optim": {"name": s.optimizer},
-        "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * gpus * s.grad_accum},
+        "train": {"micro_batch_size": s.micro_batch, "global_batch_size": s.micro_batch * s.world_size * s.grad_accum},
     }
