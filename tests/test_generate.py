@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from longft.cli import main as cli
 from longft.config.params import Config, from_dict
@@ -48,6 +49,32 @@ def test_prompt_goes_through_the_chat_template_and_greedy_is_repeatable(tmp_path
     assert outs[0][0]["reference"] is None and "Where is doc 3?" in outs[0][0]["prompt"]
     printed = capsys.readouterr().out
     assert "(full, tiny, step 3) on cpu, greedy" in printed and "--- generated (" in printed
+
+
+def test_an_export_of_other_params_than_params_yamls_is_said(tmp_path, byte_tokenizer, monkeypatch,
+                                                             capsys):
+    """Walkthrough (2026-12-05): after `dvc exp apply` of a LoRA experiment, export/ still held the
+    baseline's full model (it is not cached) and generate answered with it silently."""
+    from longft.config.params import from_dict, section_digests
+
+    monkeypatch.chdir(tmp_path)
+    trained = {"model": {"source": "random", "name": "tiny-llama"}, "lora": {"rank": 0}}
+    tiny_model(byte_tokenizer, Path("export"), params_digests=section_digests(from_dict(trained)))
+    args = ["generate", "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"]
+    Path("params.yaml").write_text(yaml.safe_dump(trained))
+    assert cli.main(args) == 0 and "note:" not in capsys.readouterr().err
+    Path("params.yaml").write_text(yaml.safe_dump({**trained, "lora": {"rank": 16},
+                                                   "train": {"iterations": 6}}))
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert "note: export/ was trained with other params than params.yaml's (section(s) train, " \
+           "lora differ): it is the model of an earlier run" in err and "dvc repro" in err
+    # an export elsewhere is not compared with the workspace's params
+    import shutil
+
+    shutil.copytree("export", "elsewhere")
+    assert cli.main(args + ["--export", "elsewhere"]) == 0
+    assert "note:" not in capsys.readouterr().err
 
 
 def test_held_out_records_are_cut_before_the_answer(tmp_path, byte_tokenizer, monkeypatch):

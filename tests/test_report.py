@@ -124,6 +124,26 @@ def test_rows_left_out_with_reason(params):
         "bad: params do not validate (1 problem(s), first: train.global_batch_size")
 
 
+def test_metrics_of_other_training_params_are_left_out_by_their_sections(params):
+    """Walkthrough (2026-12-05): train.iterations edited after the baseline ran, not re-run: its
+    metrics belong to other params although no placement knob changed. Each section's digest,
+    recorded at the run, says which; a default written out changes none."""
+    from longft.config.params import from_dict, section_digests
+
+    run = gpu_run(params)
+    run.env["params_digests"] = section_digests(from_dict(run.params))
+    explicit = copy.deepcopy(run)
+    explicit.params["optim"]["lr"] = Config().optim.lr   # the default, written out
+    edited = gpu_run(params, name="edited")
+    edited.env["params_digests"] = run.env["params_digests"]
+    edited.params["train"]["iterations"] = 6
+    edited.params["optim"]["lr"] = 3e-4
+    rows, notes = report.build_rows([run, explicit, edited, gpu_run(params, name="older")])
+    assert [r.name for r in rows] == ["8b-128k-8gpu", "8b-128k-8gpu", "older"]  # older: no digests
+    assert notes == ["edited: metrics are from other params (params section(s) train, optim changed "
+                     "since these metrics were measured (`dvc repro` measures them))"]
+
+
 def test_rows_sorted_and_setup_strings(params):
     small = gpu_run(params, name="a", gpus=1)
     small.params["model"]["name"] = small.env["model_name"] = "llama3.2-1b"

@@ -106,3 +106,22 @@ def to_dict(cfg: Config) -> dict:
             return {k: conv(v) for k, v in x.items()}
         return x
     return conv(dataclasses.asdict(cfg))
+
+
+def section_digests(cfg: Config) -> dict[str, str]:
+    """A short digest of each params section as validated (defaults filled in, so writing a
+    default out changes none): a run records them (metrics/env.json, export/longft_export.json),
+    and `longft report` and `longft generate` compare them with the params of today."""
+    import hashlib
+    import json
+
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:12]
+            for k, v in to_dict(cfg).items()}
+
+
+def sections_changed(recorded: dict | None, cfg: Config) -> list[str]:
+    """The params sections whose digest differs from `recorded` (section_digests of a run); []
+    where nothing was recorded (a run written before the digests)."""
+    if not isinstance(recorded, dict) or not recorded:
+        return []
+    return [k for k, v in section_digests(cfg).items() if recorded.get(k) != v]

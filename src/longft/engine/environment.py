@@ -7,7 +7,7 @@ import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
-from longft.config.params import Config
+from longft.config.params import Config, section_digests
 from longft.config.plan import Plan
 from longft.engine import lockfile
 from longft.measure.monitor import gpu_inventory
@@ -75,6 +75,8 @@ def environment(cfg: Config, plan: Plan, ds: dict | None = None, engine=None) ->
         "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.data.max_seq_length,
         "model_name": cfg.model.name, "model_source": cfg.model.source,
         "n_params": plan.model.n_params, "lora_rank": cfg.lora.rank,
+        # each params section's digest: `longft report` leaves out metrics of other params
+        "params_digests": section_digests(cfg),
         # the rendezvous port the launcher gave the ranks (hardware.master_port auto: picked then)
         "master_port": int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None,
     }

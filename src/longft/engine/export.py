@@ -31,7 +31,7 @@ from pathlib import Path
 from longft import atomic
 from longft.compat import deepspeed as compat_deepspeed
 from longft.config import qlora
-from longft.config.params import Config
+from longft.config.params import Config, section_digests
 from longft.errors import UserError
 
 PEFT_PREFIX = "base_model.model."
@@ -187,6 +187,8 @@ def _write(engine, cfg: Config, sd: dict, tmp: Path, step: int) -> None:
     atomic.write_json(tmp / "longft_export.json",
                       {"model": cfg.model.name, "source": cfg.model.source, "steps": step,
                        "lora_rank": cfg.lora.rank, "quantize": cfg.lora.quantize, "kind": kind,
+                       # `longft generate` says so where params.yaml has changed since
+                       "params_digests": section_digests(cfg),
                        **({"base": base_record(cfg, dtype)}
                           if cfg.lora.rank or qlora.quantized(cfg) else {})})
 

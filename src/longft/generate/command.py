@@ -95,6 +95,27 @@ def _continued(p) -> str:
             f"reference: its last {len(p.reference)} tokens")
 
 
+def _trained_with_other_params(export_dir: Path, info: dict) -> str | None:
+    """Where the train stage's own export/ was trained with other params than params.yaml's
+    today (an experiment applied, params edited since): which sections differ and why. Exports
+    elsewhere (--export DIR) and exports written before the digests are not compared."""
+    from longft.config.params import ConfigError, load, sections_changed
+
+    if Path(export_dir).resolve() != Path("export").resolve() or not Path("params.yaml").is_file():
+        return None
+    try:
+        changed = sections_changed(info.get("params_digests"), load("params.yaml"))
+    except ConfigError:
+        return None
+    if not changed:
+        return None
+    return (f"{export_dir}/ was trained with other params than params.yaml's (section(s) "
+            f"{', '.join(changed)} differ): it is the model of an earlier run, not of these "
+            "params. export/ is not cached, so `dvc exp apply NAME` does not bring an experiment's "
+            "model back: `dvc repro` trains these params (or run the experiment in the workspace, "
+            "`dvc exp run -n NAME ...` without --temp)")
+
+
 def main(args: argparse.Namespace) -> int:
     from longft.engine.harmless_warnings import quiet
     from longft.generate.loading import load_export
@@ -124,6 +145,9 @@ def main(args: argparse.Namespace) -> int:
           + ("greedy" if args.temperature == 0 else f"temperature {args.temperature}"), flush=True)
     if export.base:
         print(f"longft generate: {export.base}", flush=True)
+    stale = _trained_with_other_params(args.export, info)
+    if stale:
+        print(f"longft generate: note: {stale}", file=sys.stderr, flush=True)
     results = []
     for p in prompts:
         new = generate(export, p.ids, args.max_new_tokens, args.temperature, args.top_p)

@@ -44,8 +44,8 @@ KINDS = ("full", "lora_merged", "lora_adapter", "block_sparse_merged")
 def read_info(export_dir: Path) -> dict:
     """longft_export.json of export_dir, or ExportMissingError with the fix."""
     export_dir = Path(export_dir)
-    fix = ("run the pipeline with output.export: true (`dvc repro`, or `dvc exp run` and `dvc exp "
-           "apply NAME`), or pass --export DIR")
+    fix = ("run the pipeline with output.export: true (`dvc repro`, or `dvc exp run` in the "
+           "workspace), or pass --export DIR")
     if not export_dir.is_dir():
         raise ExportMissingError(f"{export_dir}/ does not exist: no exported model; {fix}")
     try:

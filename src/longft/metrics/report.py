@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from longft.atomic import write_text
-from longft.config.params import Config, ConfigError, from_dict
+from longft.config.params import Config, ConfigError, from_dict, sections_changed
 from longft.config.sections import GENERATED_SOURCES
 from longft.metrics.run_sources import Run, exp_show, runs_from_bench, runs_from_exp_show
 
@@ -140,8 +140,13 @@ def _stale(cfg: Config, train: dict, env: dict) -> list[str]:
               (env, "model_name", cfg.model.name), (env, "zero_stage", cfg.zero.stage),
               (env, "offload_optimizer", cfg.zero.offload_optimizer),
               (env, "offload_param", cfg.zero.offload_param), (env, "lora_rank", cfg.lora.rank)]
-    return [f"{key} {src[key]} in metrics, {want} in params" for src, key, want in expect
-            if key in src and src[key] != want]
+    out = [f"{key} {src[key]} in metrics, {want} in params" for src, key, want in expect
+           if key in src and src[key] != want]
+    changed = sections_changed(env.get("params_digests"), cfg)
+    if changed and not out:   # the knobs above name what; otherwise which sections
+        out.append(f"params section(s) {', '.join(changed)} changed since these metrics were "
+                   f"measured (`dvc repro` measures them)")
+    return out
 
 
 def to_row(run: Run) -> Row | str:

@@ -227,7 +227,8 @@ def main(args: argparse.Namespace) -> int:
     if args.temp:
         print(f"longft sweep: {len(rows)} experiment(s) ran; compare them with "
               "`dvc exp show --only-changed --drop '.*/|Created'`, or bring one into the "
-              "workspace with `dvc exp apply NAME`")
+              "workspace with `dvc exp apply NAME` (its params and metrics; `dvc repro` then trains its "
+              "model)")
     elif args.run:
         print(f"longft sweep: {len(rows)} experiment(s) running one at a time; follow with "
               "`dvc queue status` and `dvc queue logs NAME`, then `longft report`")
