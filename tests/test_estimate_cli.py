@@ -363,3 +363,20 @@ def test_search_at_a_global_batch_accumulates_the_rest():
     assert opt[4].tokens_per_s < 1.3 * opt[1].tokens_per_s
     one = search(LLAMA_1B, base, gpu_mem_gib=80, host_mem_gib=256, gpu_name=None, max_micro=4)
     assert {c.setup.grad_accum for c in one} == {1} and max(c.setup.micro_batch for c in one) == 4
+
+
+def test_placement_says_what_speed_it_assumes_for_a_gpu_it_does_not_know(tmp_path, on, capsys):
+    """Walkthrough (2026-12-05): an RTX 4090 was ranked at an A100's peak without a word."""
+    on(H200)
+    args = ["--gpu-mem", "24", "--host-mem", "60", "--model", "llama3.1-8b", "--seq", "32768",
+            "--lora", "16", "--params", str(tmp_path / "absent.yaml")]
+
+    def run(name):
+        assert main("placement", args + ["--gpu-name", name]) == 0
+        out = capsys.readouterr().out
+        return out, float(re.search(r"~([\d,]+) tok/s predicted", out).group(1).replace(",", ""))
+    unknown, guessed = run("NVIDIA GeForce RTX 5090")
+    assert "note: 'NVIDIA GeForce RTX 5090' is not a GPU whose peak longft knows: tokens/s " \
+           "assume an A100's 312 TFLOP/s bf16" in unknown
+    known, speed = run("NVIDIA GeForce RTX 4090")
+    assert "peak longft knows" not in known and speed < 0.7 * guessed   # 165 against 312 TFLOP/s

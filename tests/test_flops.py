@@ -117,6 +117,10 @@ def test_bad_config_is_a_clear_error():
     ("Tesla T4", "fp16", 65.0),
     ("NVIDIA L4", "bf16", 121.0),
     ("NVIDIA L40S", "bf16", 362.05),
+    ("NVIDIA L40", "bf16", 181.0),                 # not the L40S
+    ("NVIDIA GeForce RTX 4090", "bf16", 165.2),    # with FP32 accumulate, as training runs
+    ("NVIDIA GeForce RTX 3090", "bf16", 71.0),
+    ("NVIDIA RTX 6000 Ada Generation", "bf16", 364.2),  # not the RTX A6000
 ])
 def test_peak_flops_matches_device_names(name, dtype, tflops):
     assert peak_flops(name, dtype) == pytest.approx(tflops * 1e12)
@@ -125,9 +129,10 @@ def test_peak_flops_matches_device_names(name, dtype, tflops):
 @pytest.mark.parametrize("name,dtype", [
     ("Tesla V100-SXM2-16GB", "bf16"),          # no bf16 tensor cores before Ampere
     ("Tesla T4", "tf32"),
-    ("NVIDIA GeForce RTX 4090", "bf16"),       # not in the table: no guess
-    ("NVIDIA RTX 6000 Ada Generation", "bf16"),  # not the RTX A6000
-    ("NVIDIA L40", "bf16"),                    # not the L40S
+    ("NVIDIA GeForce RTX 3090 Ti", "bf16"),    # not in the table: no guess
+    ("NVIDIA GeForce RTX 4090 D", "bf16"),
+    ("NVIDIA GeForce RTX 4090 Laptop GPU", "bf16"),
+    ("NVIDIA GeForce RTX 5090", "bf16"),
     ("NVIDIA GH200 480GB", "bf16"),
     ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "bf16"),  # a slice has a fraction of the peak
     ("NVIDIA H100", "bf16"),                   # form factor unknown: SXM and PCIe differ

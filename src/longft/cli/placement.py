@@ -240,7 +240,10 @@ def cmd_placement(argv: list[str]) -> int:
     model_name = a.model or cfg.model.name
     print(f"longft placement: {model_name}, seq {a.seq:,}, {a.gpus} GPU(s) of {a.gpu_mem:g} GiB, "
           f"host {a.host_mem:g} GiB")
-    for n in notes + [n for n in (model_note, data_note, batch_note) if n]:
+    from longft.estimate.speed import peak_note
+
+    speed_note = peak_note(gpu_name, base.precision)
+    for n in notes + [n for n in (model_note, data_note, batch_note, speed_note) if n]:
         print(f"note: {n}")
     print("searched: " + "; ".join(t.name for t in allowed) + f"; optimizer states "
           f"{', '.join(states)}" + ("; NVMe" if disk is not None else "")

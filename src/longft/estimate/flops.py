@@ -110,6 +110,15 @@ PEAK_TFLOPS: dict[str, dict[str, Optional[float]]] = {
     "L4": {"fp16": 121.0, "bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
     # L40S datasheet: FP16/BF16 362.05 | 733*, TF32 183 | 366*, FP32 91.6.
     "L40S": {"fp16": 362.05, "bf16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    # L40 datasheet: FP16/BF16 362.05* (sparse), TF32 181*, FP32 90.5.
+    "L40": {"fp16": 181.0, "bf16": 181.0, "tf32": 90.5, "fp32": 90.5},
+    # Consumer and workstation cards (Ampere / Ada whitepapers): the tensor rate with FP32
+    # accumulate (what bf16 training runs), dense. RTX 3090: 71 | 142*, TF32 35.6, FP32 35.6;
+    # RTX 4090: 165.2 | 330.4*, TF32 82.6, FP32 82.6; RTX 6000 Ada: 364.2 | 728.5*, TF32 182.1,
+    # FP32 91.1.
+    "RTX-3090": {"fp16": 71.0, "bf16": 71.0, "tf32": 35.6, "fp32": 35.6},
+    "RTX-4090": {"fp16": 165.2, "bf16": 165.2, "tf32": 82.6, "fp32": 82.6},
+    "RTX-6000-ADA": {"fp16": 364.2, "bf16": 364.2, "tf32": 182.1, "fp32": 91.1},
     # A100 datasheet (40/80 GB, SXM and PCIe alike): BF16/FP16 312, TF32 156, FP32 19.5.
     "A100-SXM": {"fp16": 312.0, "bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "A100-PCIE": {"fp16": 312.0, "bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
@@ -133,7 +142,8 @@ def gpu_model_key(gpu_name: Optional[str]) -> Optional[str]:
 
     "Tesla V100-SXM2-16GB" -> V100-SXM2, "NVIDIA A100-SXM4-40GB" -> A100-SXM,
     "NVIDIA A100 80GB PCIe" -> A100-PCIE, "NVIDIA H100 80GB HBM3" -> H100-SXM, "NVIDIA H200" ->
-    H200-SXM, "NVIDIA RTX A6000" -> A6000. A MIG slice, "RTX 6000 Ada", "L40", "GH200" -> None.
+    H200-SXM, "NVIDIA RTX A6000" -> A6000, "NVIDIA GeForce RTX 4090" -> RTX-4090. A MIG slice,
+    a 3090 Ti, a 4090 D or laptop part, "GH200" -> None.
     """
     if not gpu_name:
         return None
@@ -158,6 +168,12 @@ def gpu_model_key(gpu_name: Optional[str]) -> Optional[str]:
         return "A10G"
     if has("A6000") and has("RTX") and not has("ADA"):
         return "A6000"
+    if has("6000") and has("ADA"):
+        return "RTX-6000-ADA"
+    if not has("TI") and (has("3090") or has("4090")):   # a Ti, a laptop part: other rates
+        return None if has("LAPTOP") or has("D") else "RTX-4090" if has("4090") else "RTX-3090"
+    if has("L40"):
+        return "L40"
     if has("L4"):
         return "L4"
     if has("L40S"):

@@ -17,6 +17,21 @@ ACHIEVED_FRACTION = 0.5
 """Fraction of the dense peak that matmuls reach, recompute included (H200 rows: 0.39 MFU x 4/3)."""
 UNKNOWN_PEAK_FLOPS = 312e12
 """Dense bf16 peak assumed when the GPU is not in flops.PEAK_TFLOPS (an A100)."""
+
+
+def peak_note(gpu_name: str | None, precision: str = "bf16") -> str | None:
+    """What the speed ranking assumes where it does not know the GPU's peak (None where it does)."""
+    from longft.estimate.flops import peak_flops
+
+    if gpu_name and peak_flops(gpu_name, precision):
+        return None
+    which = f"{gpu_name!r} is not a GPU whose peak longft knows" if gpu_name else "no GPU named"
+    return (f"{which}: tokens/s assume an A100's {UNKNOWN_PEAK_FLOPS / 1e12:.0f} TFLOP/s {precision}; "
+            f"scale them by your card's dense {precision} peak / {UNKNOWN_PEAK_FLOPS / 1e12:.0f} "
+            f"(--gpu-name takes e.g. 'NVIDIA GeForce RTX 4090', 'NVIDIA RTX A6000', 'NVIDIA H100 "
+            f"80GB HBM3'); memory does not depend on it")
+
+
 MICRO_OVERHEAD_TOKENS = 2048
 """Fixed cost of one micro-step (launches, hooks, syncs) in token-equivalents of compute."""
 HOST_LINK_BYTES_PER_S = 20e9
