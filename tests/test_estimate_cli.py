@@ -380,3 +380,19 @@ def test_placement_says_what_speed_it_assumes_for_a_gpu_it_does_not_know(tmp_pat
            "assume an A100's 312 TFLOP/s bf16" in unknown
     known, speed = run("NVIDIA GeForce RTX 4090")
     assert "peak longft knows" not in known and speed < 0.7 * guessed   # 165 against 312 TFLOP/s
+
+
+def test_a_tiny_model_is_not_predicted_a_speed_no_gpu_reaches(tmp_path, on, capsys):
+    """Walkthrough (2026-12-05): a 2-layer model of width 64 was predicted at 26 million tok/s
+    (2,048 tokens a micro-step in 80 us, less than its kernel launches take), and LoRA's 2 % edge
+    at that speed chose it over full finetuning. Each layer now takes a least time a micro-step."""
+    on(H200)
+    Path(tmp_path / "p.yaml").write_text(yaml.safe_dump({
+        "model": {"source": "random", "name": "tiny-llama"},
+        "train": {"micro_batch_size": 1, "global_batch_size": 2}}))
+    assert main("placement", ["--gpu-mem", "24", "--host-mem", "60", "--seq", "1024",
+                              "--lora", "any", "--gpu-name", "NVIDIA RTX A6000",
+                              "--params", str(tmp_path / "p.yaml")]) == 0
+    chosen = re.search(r"^chosen: (.*) \(~([\d,]+) tok/s predicted", capsys.readouterr().out, re.M)
+    assert chosen.group(1).startswith("full-parameter")
+    assert float(chosen.group(2).replace(",", "")) < 2e6  # 2 x 1,024 tokens in >= 2 layers x 1 ms

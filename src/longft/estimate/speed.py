@@ -34,6 +34,11 @@ def peak_note(gpu_name: str | None, precision: str = "bf16") -> str | None:
 
 MICRO_OVERHEAD_TOKENS = 2048
 """Fixed cost of one micro-step (launches, hooks, syncs) in token-equivalents of compute."""
+MIN_LAYER_SECONDS = 1e-3
+"""The least time one layer takes in a micro-step, whatever its FLOPs: forward, backward and
+recompute launch some 60 kernels and pass ZeRO-3's fetch and release hooks (a floor set by that
+count, not fitted: it bites only models far smaller than any measured row, where MICRO_OVERHEAD_TOKENS,
+scaled by the model's FLOPs, predicted millions of tokens/s for a 2-layer model of width 64)."""
 HOST_LINK_BYTES_PER_S = 20e9
 """Effective PCIe bandwidth for parameter fetches, gradient and checkpoint copies."""
 EXPOSED_FRACTION = 0.5
@@ -86,6 +91,7 @@ def step_seconds(arch: dict, s: Setup, gpu_name: str | None) -> float:
         micro += EXPOSED_FRACTION * 2 * moved * T * arch["hidden_size"] * w / HOST_LINK_BYTES_PER_S
     if s.quantize != "none":
         micro += dequant_seconds(arch, s)
+    micro = max(micro, MIN_LAYER_SECONDS * arch["num_hidden_layers"])
     return s.grad_accum * s.sequence_parallel * micro + optimizer_seconds(arch, s)
 
 
