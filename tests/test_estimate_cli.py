@@ -396,3 +396,21 @@ def test_a_tiny_model_is_not_predicted_a_speed_no_gpu_reaches(tmp_path, on, caps
     chosen = re.search(r"^chosen: (.*) \(~([\d,]+) tok/s predicted", capsys.readouterr().out, re.M)
     assert chosen.group(1).startswith("full-parameter")
     assert float(chosen.group(2).replace(",", "")) < 2e6  # 2 x 1,024 tokens in >= 2 layers x 1 ms
+
+
+def test_nothing_fits_overlays_keep_the_params_global_batch(tmp_path, on, capsys):
+    """Walkthrough (2026-12-05): "nothing fits" wrote a LoRA overlay at global batch 1 (one
+    micro-step a step, "global batch changed from 2 to 1"), while `--lora 16` kept the params' 2
+    with another placement and speed. Both now search the same way and agree."""
+    on(H200)
+    p = write_params(tmp_path, model={"source": "random", "name": "llama3.1-8b"},
+                     data={"max_seq_length": 32768},
+                     train={"micro_batch_size": 1, "global_batch_size": 2})
+    args = ["--gpu-mem", "24", "--host-mem", "60", "--seq", "32768", "--params", str(p)]
+    assert main("placement", args + ["--out", str(tmp_path / "o.yaml")]) == 1
+    out = capsys.readouterr().out
+    alt = (tmp_path / "o.lora-r-16.yaml").read_text()
+    assert "changed from" not in alt and yaml.safe_load(alt)["train"]["global_batch_size"] == 2
+    said = re.search(r"^  LoRA r=16 +~ ?([\d,]+) tok/s", out, re.M).group(1)
+    assert main("placement", args + ["--lora", "16"]) == 0
+    assert f"(~{said} tok/s predicted)" in capsys.readouterr().out

@@ -59,8 +59,10 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
                  gpu_name: str | None, model_over: dict | None,
                  params_batch: int | None = None) -> int:
     """Print what fits instead of the asked run; exit code 1 (the asked run does not fit). Its
-    overlays run one micro-step a step: where that is not the params' global batch
-    (`params_batch`), each overlay's header says so."""
+    overlays keep the params' global batch (`params_batch`, micro-batches that divide it,
+    accumulating the rest) as the asked run's search does; where they cannot (more GPUs than
+    divide it), each overlay's header says so."""
+    from longft.cli.placement import batch_target
     from longft.cli.overlay_file import write_overlay
 
     closest = min(cands, key=lambda c: c.overshoot(a.gpu_mem, a.host_mem))
@@ -71,7 +73,8 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
               share_grads=cfg.zero.host_grad_buffer != "full",
               chunked_copy_back=cfg.zero.copy_back != "deepspeed",
               tiled_auto=cfg.kernels.tiled_mlp == "auto", lora_dropout=cfg.lora.dropout,
-              top=max(a.seq, int(arch.get("max_position_embeddings") or a.seq)))
+              top=max(a.seq, int(arch.get("max_position_embeddings") or a.seq)),
+              global_batch=batch_target(params_batch, cfg.world_size)[0])
     shown = _Overlays(a, model_over, params_batch)
     print(f"\nlongest context that fits on {a.gpus} GPU(s) of {a.gpu_mem:g} GiB with "
           f"{a.host_mem:g} GiB of host RAM (up to {ask.top:,}):")

@@ -43,12 +43,13 @@ class Ask:
     tiled_auto: bool = True          # kernels.tiled_mlp auto: on from TILED_MLP_FROM tokens
     lora_dropout: float = 0.0        # lora.dropout: auto never tiles LoRA with dropout
     top: int = 1 << 20               # the model's max_position_embeddings
+    global_batch: int | None = None  # the params' global batch, kept (None: one micro-step a step)
 
     def search(self, arch: dict, base: Setup, **kw) -> list[Candidate]:
         args = dict(gpu_mem_gib=self.gpu_mem_gib, host_mem_gib=self.host_mem_gib,
                     gpu_name=self.gpu_name, max_micro=self.max_micro, share_grads=self.share_grads,
                     chunked_copy_back=self.chunked_copy_back, states=self.states,
-                    disk_gib=self.disk_gib, tunings=self.tunings)
+                    disk_gib=self.disk_gib, tunings=self.tunings, global_batch=self.global_batch)
         return search(arch, base, **{**args, **kw})
 
 
@@ -80,12 +81,14 @@ def fits_somewhere(arch: dict, s: Setup, t: Tuning, ask: Ask, states: tuple[str,
     from longft.estimate.placement import copy_back_for, offload_ratios
     from longft.hardware.policy import why_not_shared_grad_buffer as why_not
 
-    tuned = t.apply(dataclasses.replace(s, micro_batch=1, grad_accum=1, gpu_layers=0,
+    gb = ask.global_batch   # kept: micro-batch 1 accumulates the rest (the search's micro-batch 1)
+    accum = gb // s.world_size if gb and gb % s.world_size == 0 else 1
+    tuned = t.apply(dataclasses.replace(s, micro_batch=1, grad_accum=accum, gpu_layers=0,
                                         keep_attention=0))
     for off in placements(t, disk_gib):
         opt, param = OFFLOADS[off]
         nvme = off == "opt(nvme)"
-        shared = ask.share_grads and not why_not(tuned.zero_stage, "nvme" if nvme else opt, 1,
+        shared = ask.share_grads and not why_not(tuned.zero_stage, "nvme" if nvme else opt, accum,
                                                  s.precision)
         for st in states or ask.states:
             first = dataclasses.replace(tuned, offload_optimizer=opt, offload_param=param, nvme=nvme,
@@ -225,7 +228,9 @@ def _more_gpus(arch: dict, base: Setup, ask: Ask) -> Alternative:
     host RAM, on which the asked run fits."""
     for n in (g for g in MORE_GPUS if g > ask.gpus):
         wider = dataclasses.replace(base, world_size=n, ranks_per_node=n)
-        c = best_at(arch, wider, base.seq_len, ask, ask.tunings[0])
+        gb = ask.global_batch   # kept where n GPUs divide it; else one micro-step a step
+        c = best_at(arch, wider, base.seq_len, ask, ask.tunings[0],
+                    global_batch=gb if gb and gb % n == 0 else None)
         if c is not None:
             return Alternative(f"{n} GPUs", f"--gpus {n}", c, n)
     most = max(MORE_GPUS)
