@@ -405,12 +405,12 @@ def test_nothing_fits_overlays_keep_the_params_global_batch(tmp_path, on, capsys
     on(H200)
     p = write_params(tmp_path, model={"source": "random", "name": "llama3.1-8b"},
                      data={"max_seq_length": 32768},
-                     train={"micro_batch_size": 1, "global_batch_size": 2})
+                     train={"micro_batch_size": 1, "global_batch_size": 4})
     args = ["--gpu-mem", "24", "--host-mem", "60", "--seq", "32768", "--params", str(p)]
     assert main("placement", args + ["--out", str(tmp_path / "o.yaml")]) == 1
     out = capsys.readouterr().out
     alt = (tmp_path / "o.lora-r-16.yaml").read_text()
-    assert "changed from" not in alt and yaml.safe_load(alt)["train"]["global_batch_size"] == 2
+    assert "changed from" not in alt and yaml.safe_load(alt)["train"]["global_batch_size"] == 4
     said = re.search(r"^  LoRA r=16 +~ ?([\d,]+) tok/s", out, re.M).group(1)
     assert main("placement", args + ["--lora", "16"]) == 0
     assert f"(~{said} tok/s predicted)" in capsys.readouterr().out
