@@ -175,8 +175,9 @@ def test_shapes_the_blocks_do_not_fit_are_refused_before_any_weight_is_read():
 
     cfg = from_dict({"sparse": {"blocks": 4, "block_size": 64}})  # tiny-llama: 176 = 11 x 16
     model = meta_model(load_model_config(cfg.model), "sdpa")
-    with pytest.raises(PlanError, match=r"sparse.block_size: 64 does not divide .*gate_proj \[176 x 64\]"):
-        sparse_trainable(cfg, model)
+    with pytest.raises(PlanError, match=r"sparse.block_size: 64 does not divide .*gate_proj \[176 x 64\]"
+                                        r".*: 16 or 8 or 4 \(their largest common divisor is 16\)"):
+        sparse_trainable(cfg, model)   # walkthrough: it suggested 32 or 64, neither divides 176
     ok = from_dict({"sparse": {"blocks": 4, "block_size": 16}})
     assert sparse_trainable(ok, model) == 4 * 16 * 16 * 14
     linears = {"layers.0.q_proj": (64, 64)}
@@ -184,6 +185,25 @@ def test_shapes_the_blocks_do_not_fit_are_refused_before_any_weight_is_read():
                                                                                       "w9"]}})
     found = rules.shape_problems(too_many, linears)
     assert any("w9" in p for p in found) and any("exceeds the 16 blocks" in p for p in found)
+    # the smallest target named, with the most blocks it holds
+    gqa = {"layers.0.q_proj": (64, 64), "layers.0.k_proj": (64, 32)}
+    assert rules.shape_problems(from_dict({"sparse": {"blocks": 46, "block_size": 16}}), gqa)[-1:] == [
+        "sparse.blocks: 46 exceeds the 8 blocks of 16 x 16 of the smallest target, k_proj [32 x 64]; "
+        "set sparse.blocks <= 8, or leave that module out of sparse.target_modules"]
+
+
+def test_a_warmup_longer_than_the_run_is_refused():
+    """Walkthrough (2026-12-05): 30 warm-up micro-batches before a 6-micro-batch run read each row
+    three times and took five times the training's time, without a word."""
+    with pytest.raises(ConfigError, match=r"sparse.warmup_steps: 30 micro-batches .* longer than "
+                                          r"the run it picks blocks for \(3 steps x 2 micro-batch"
+                                          r"\(es\) = 6\); set sparse.warmup_steps <= 6"):
+        from_dict({"sparse": {"blocks": 4, "warmup_steps": 30},
+                   "train": {"iterations": 3, "micro_batch_size": 1, "global_batch_size": 2}})
+    assert from_dict({"sparse": {"blocks": 4, "warmup_steps": 6},
+                      "train": {"iterations": 3, "micro_batch_size": 1, "global_batch_size": 2}})
+    assert from_dict({"sparse": {"blocks": 4, "warmup_steps": 30},   # epochs: not known here
+                      "train": {"iterations": None, "epochs": 1}})
 
 
 def test_estimator_counts_the_blocks_as_the_trained_parameters_and_the_warmup_buffer():

@@ -27,8 +27,8 @@ import sys
 
 from longft.argtypes import integer, number, out_dir, out_file
 from longft.cli.target import architecture_of as _architecture
+from longft.cli.target import blocks_fit, within_positions
 from longft.cli.target import resolve_on_gpu as _resolve
-from longft.cli.target import within_positions
 from longft.estimate.estimator import GIB, describe, estimate, fits, format_table, setup_from_config
 from longft.estimate.format import unmeasured
 from longft.estimate.max_context import SEQ_STEP, _max_context_auto_tiled, candidates_for_confirmation, max_context
@@ -88,6 +88,7 @@ def cmd_estimate(argv: list[str]) -> int:
     _within_model(cfg)
     hw = detect()
     arch = _architecture(cfg.model)
+    blocks_fit(cfg, arch)
     resolved, notes = _resolve(cfg, hw, arch["model_type"])
     est = estimate(arch, setup_from_config(cfg, resolved))
     gpu_mem, host_mem = _sizes(a, hw)
@@ -132,6 +133,7 @@ def cmd_max_context(argv: list[str]) -> int:
     cfg = _load(a.params)
     hw = detect()
     arch = _architecture(cfg.model)
+    blocks_fit(cfg, arch)
     resolved, notes = _resolve(cfg, hw, arch["model_type"])
     gpu_mem, host_mem = _sizes(a, hw)
     if gpu_mem is None:

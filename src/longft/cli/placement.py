@@ -188,12 +188,18 @@ def _config(a):
 
 def cmd_placement(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    from longft.cli.target import architecture_of, resolve_on_gpu, within_positions
+    from longft.cli.target import architecture_of, blocks_fit, resolve_on_gpu, within_positions
     from longft.estimate.estimator import setup_from_config
     from longft.hardware import detect
 
     if a.model is None and not Path(a.params).is_file():
         print("longft placement: no --model and no params file to take it from", file=sys.stderr)
+        return 2
+    if a.sparse_blocks and a.lora is not None:
+        print(f"longft placement: --sparse-blocks {a.sparse_blocks} searches block-sparse "
+              f"finetuning and --lora {a.lora} another way of training, and a run trains one way: "
+              "leave out --lora, or --sparse-blocks (when nothing fits, the answer lists LoRA and "
+              "blocks side by side)", file=sys.stderr)
         return 2
     cfg, model_over, model_note, params_batch = _config(a)
     batch, batch_note = batch_target(params_batch, cfg.world_size)
@@ -205,6 +211,7 @@ def cmd_placement(argv: list[str]) -> int:
     hw = detect()
     arch = architecture_of(cfg.model)
     within_positions(cfg.model, a.seq, "--seq")
+    blocks_fit(cfg, arch)
     resolved, notes = resolve_on_gpu(cfg, hw, arch["model_type"])
     base = setup_from_config(cfg, resolved)
     data_note = None

@@ -29,6 +29,19 @@ def within_positions(model_cfg, seq: int, arg: str) -> None:
             f"the patch stage refuses a longer data.max_seq_length")
 
 
+def blocks_fit(cfg, arch: dict) -> None:
+    """Refuse (UserError) sparse.* blocks the model's linears cannot be cut into (a block size
+    that does not divide them, more blocks than the smallest holds), as the patch stage would,
+    before an estimate or a search plans for them."""
+    from longft.config.block_sparse import shape_problems
+    from longft.errors import UserError
+    from longft.estimate.arch import linear_shapes
+
+    bad = shape_problems(cfg, linear_shapes(arch))
+    if bad:
+        raise UserError("; ".join(bad) + " (the patch stage refuses these blocks)")
+
+
 def target_hardware(hw, num_gpus: int):
     """The hardware to resolve `auto` against: this machine's GPU, or, estimating from a machine
     without one, an Ampere-or-newer GPU with Liger installed (said in the output)."""

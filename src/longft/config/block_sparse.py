@@ -4,6 +4,8 @@ on the meta model (before any weight is read)."""
 
 from __future__ import annotations
 
+import math
+
 from longft.config.sections import Config
 
 
@@ -35,7 +37,7 @@ def problems(cfg: Config) -> list[str]:
     if cfg.output.export_lora != "adapter":
         p.append(f"output.export_lora: {cfg.output.export_lora} applies to LoRA; block-sparse "
                  "finetuning always exports the blocks merged into the weights: set it to adapter")
-    return p
+    return p + warmup_problems(cfg)
 
 
 def shape_problems(cfg: Config, linears: dict[str, tuple[int, int]]) -> list[str]:
@@ -56,14 +58,34 @@ def shape_problems(cfg: Config, linears: dict[str, tuple[int, int]]) -> list[str
     bad = sorted({f"{n.rsplit('.', 1)[-1]} [{o} x {i}]" for n, (i, o) in hit.items()
                   if i % b or o % b})
     if bad:
+        common = math.gcd(*(d for io in hit.values() for d in io))
+        sizes = [d for d in (128, 64, 32, 16, 8, 4, 2, 1) if common % d == 0][:3]
         p.append(f"sparse.block_size: {b} does not divide the shape of {', '.join(bad)}; pick a "
-                 f"block size that divides every target's in and out features (e.g. 32 or 64)")
+                 f"block size that divides every target's in and out features: "
+                 f"{' or '.join(map(str, sizes))} (their largest common divisor is {common})")
     elif hit:
-        fewest = min((i // b) * (o // b) for i, o in hit.values())
+        name, (i, o) = min(hit.items(), key=lambda kv: (kv[1][0] // b) * (kv[1][1] // b))
+        fewest = (i // b) * (o // b)
         if s.blocks > fewest:
             p.append(f"sparse.blocks: {s.blocks} exceeds the {fewest} blocks of {b} x {b} of the "
-                     f"smallest target matrix; lower sparse.blocks or sparse.block_size")
+                     f"smallest target, {name.rsplit('.', 1)[-1]} [{o} x {i}]; set sparse.blocks "
+                     f"<= {fewest}, or leave that module out of sparse.target_modules")
     return p
+
+
+def warmup_problems(cfg: Config) -> list[str]:
+    """A warm-up longer than the run it picks blocks for (train.iterations set): it would read
+    rows again and take longer than the training."""
+    s, t = cfg.sparse, cfg.train
+    if not enabled(cfg) or not t.iterations:
+        return []
+    micro = t.iterations * max(1, cfg.grad_accum_steps)
+    if s.warmup_steps > micro:
+        return [f"sparse.warmup_steps: {s.warmup_steps} micro-batches of full gradients is longer "
+                f"than the run it picks blocks for ({t.iterations} steps x "
+                f"{micro // t.iterations} micro-batch(es) = {micro}); set sparse.warmup_steps "
+                f"<= {micro}, or train longer"]
+    return []
 
 
 def trainable(cfg: Config, n_matrices: int) -> int:

@@ -45,6 +45,11 @@ def _linear_shapes(a: dict) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, I), "up_proj": (h, I), "down_proj": (I, h)}
 
 
+def linear_shapes(arch: dict) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each decoder-layer linear of an architecture dict."""
+    return _linear_shapes(dims(arch))
+
+
 def layer_params(arch: dict) -> list[tuple[str, int]]:
     """(name, numel) of one decoder layer, in model.parameters() order (Llama/Mistral/Qwen2)."""
     a = dims(arch)
