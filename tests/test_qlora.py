@@ -360,3 +360,19 @@ def test_8bit_adamw_trains_without_offload(tmp_path, byte_tokenizer):
     assert eight != full        # with other states than Adam's fp32 ones
     for s in full:
         assert abs(eight[s] - full[s]) < 0.1, (s, eight[s], full[s])
+
+
+@pytest.mark.parametrize("zero", [{"offload_param": "cpu"}, {"offload_ratio": 0.5},
+                                  {"offload_optimizer": "nvme", "nvme_path": "/tmp"},
+                                  {"prefetch_bucket_size": 5}])
+def test_a_zero3_knob_over_a_quantized_base_gets_one_fix_not_two_that_contradict(zero):
+    """Walkthrough (2026-12-05): over an NF4 base on ZeRO-2, "set zero.stage: 3" (the generic
+    ZeRO-3 rule) beside "runs on ZeRO-2" (the quantized base's): only the second, whose fix works."""
+    from longft.config.params import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as e:
+        from_dict({"sparse": {"blocks": 8}, "lora": {"quantize": "nf4"},
+                   "zero": {"stage": 2, "offload_optimizer": "cpu", **zero}})
+    assert "zero.stage: 3" not in str(e.value) and "runs on ZeRO-2" in str(e.value)
+    with pytest.raises(ConfigError, match="zero.stage: 3"):       # no quantized base: stage 3 fixes it
+        from_dict({"zero": {"stage": 2, "offload_optimizer": "cpu", **zero}})

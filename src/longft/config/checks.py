@@ -137,7 +137,10 @@ def _zero(cfg: Config) -> list[str]:
     """Where the parameters and optimizer states live (offload, ratio, bf16 states, NVMe) and the
     ZeRO-3-only buckets."""
     z, p = cfg.zero, []
-    if z.offload_param == "cpu" and z.stage != 3:
+    # over a quantized base, ZeRO-2 is required: qlora.quantize names each ZeRO-3-only knob with
+    # the one fix (not "set zero.stage: 3", which its rule refuses)
+    zero2 = z.stage != 3 and not qlora.quantized(cfg)
+    if z.offload_param == "cpu" and zero2:
         p.append("zero.offload_param: 'cpu' needs zero.stage 3 (ZeRO-2 keeps parameters on the GPU);"
                  " set zero.stage: 3 or zero.offload_param: none")
     if not 0 < z.offload_ratio <= 1:
@@ -148,7 +151,7 @@ def _zero(cfg: Config) -> list[str]:
             p.append(f"zero.offload_ratio: {z.offload_ratio} splits the states between the GPU and CPU "
                      f"Adam and needs zero.offload_optimizer: cpu (it is {z.offload_optimizer}); set "
                      "offload_optimizer: cpu or offload_ratio: 1.0")
-        if z.stage != 3:
+        if zero2:
             p.append(f"zero.offload_ratio: {z.offload_ratio} needs zero.stage 3 (DeepSpeed's partial "
                      "offload exists only in ZeRO-3); set zero.stage: 3 or offload_ratio: 1.0")
         if z.offload_param != "none":
@@ -156,7 +159,7 @@ def _zero(cfg: Config) -> list[str]:
                      "supported (DeepSpeed's partial offload steps the GPU share against GPU weight "
                      "partitions; untested with offloaded ones); use one or the other")
     if z.offload_optimizer == "nvme":
-        if z.stage != 3:
+        if zero2:
             p.append("zero.offload_optimizer: nvme needs zero.stage 3 (ZeRO-Infinity); set zero.stage: 3")
         if not z.nvme_path:
             p.append("zero.nvme_path: required with zero.offload_optimizer nvme (a directory on a "
@@ -173,7 +176,7 @@ def _zero(cfg: Config) -> list[str]:
         v = getattr(z, name)
         if v is not None and v < 1:
             p.append(f"zero.{name}: must be >= 1 element, or null for longft's default, got {v}")
-    if z.stage != 3:
+    if zero2:
         for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters"):
             if getattr(z, name) is not None:
                 p.append(f"zero.{name}: a ZeRO-3 setting (stage3_{name}); zero.stage 2 would ignore "

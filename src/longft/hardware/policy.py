@@ -36,7 +36,7 @@ class PlanError(ConfigError):
     """The request cannot run on this hardware; each problem says what to change."""
 
     def __init__(self, problems: list[str]):
-        super().__init__(problems, "params.yaml for this hardware")
+        super().__init__(problems, "the params (checked against this hardware and model)")
 
 
 def resolve(cfg: Config, hw: Hardware, model_type: str,
