@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from longft.atomic import write_json
+from longft.config.checks import notes
 from longft.config.params import load
 from longft.config.plan import Plan
 from longft.errors import UserError
@@ -40,6 +41,8 @@ def main() -> int:
     for k, c in plan.resolved.items():
         print(f"  {k:14s} {str(c.value):18s} {c.reason}")
     print(f"  replaced       {dict(plan.patches.replaced_modules) or 'nothing'}")
+    for n in notes(cfg):
+        print(f"patch: note: {n}")
     return 0
 
 

@@ -221,3 +221,28 @@ def test_profile_steps_must_lie_within_the_run():
     # with train.epochs the train stage profiles the steps there are (engine/profiling.steps)
     assert from_dict({"train": {"iterations": None, "epochs": 1.0},
                       "output": {"profile_steps": 50}}).output.profile_steps == 50
+
+
+def test_patch_says_when_a_lora_adapter_of_a_random_init_model_will_not_load(tmp_path, monkeypatch,
+                                                                             capsys):
+    """Walkthrough (2026-12-05): a LoRA run over random weights exported an adapter that only
+    `longft generate`, after training, said it cannot load. The patch stage says so first."""
+    import runpy
+    import sys
+
+    import yaml
+
+    from longft.config.checks import notes
+
+    raw = {"model": {"source": "random", "name": "tiny-llama"}, "lora": {"rank": 4}}
+    assert notes(from_dict(raw))[0].startswith("output.export_lora: adapter over a random-init")
+    assert notes(from_dict({**raw, "output": {"export_lora": "merged"}})) == []
+    assert notes(from_dict({**raw, "lora": {"rank": 0}})) == []
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setattr(sys, "argv", ["patch.py", "--params", str(tmp_path / "params.yaml"),
+                                      "--out", str(tmp_path / "artifacts")])
+    repo = Path(__file__).resolve().parents[1]
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(repo / "stages" / "patch.py"), run_name="__main__")
+    assert e.value.code == 0
+    assert "patch: note: output.export_lora: adapter over a random-init model" in capsys.readouterr().out

@@ -15,6 +15,18 @@ def problems(cfg: Config) -> list[str]:
     return [msg for section in SECTIONS for msg in section(cfg)]
 
 
+def notes(cfg: Config) -> list[str]:
+    """What the params allow but a user would not want without knowing (the patch stage prints
+    them): each says what happens and the setting that avoids it."""
+    n = []
+    if (cfg.model.source == "random" and cfg.lora.rank > 0 and cfg.output.export
+            and cfg.output.export_lora == "adapter"):
+        n.append("output.export_lora: adapter over a random-init model (model.source random): the "
+                 "adapter's base weights are never saved, so `longft generate` cannot load it; set "
+                 "output.export_lora: merged for a model it loads")
+    return n
+
+
 def _positive(key: str, v) -> list[str]:
     return [f"{key}: must be > 0, got {v}"] if v <= 0 else []
 
