@@ -384,29 +384,3 @@ def test_sparse_blocks_asked_over_lora_params_train_blocks_in_place_of_the_adapt
     assert ov["sparse"] == {"blocks": 25, "block_size": 64} and ov["lora"]["rank"] == 0
     merged = from_dict(merge(yaml.safe_load(params.read_text()), ov))
     assert not problems(merged), problems(merged)
-
-
-def test_blocks_placement_cannot_plan_are_refused_before_the_search(tmp_path, monkeypatch, on,
-                                                                     capsys):
-    """Walkthrough (2026-12-05): --sparse-blocks beside --lora was dropped without a word, and a
-    block size that divides no projection was planned, written, and refused by the patch stage."""
-    from longft.cli.estimate import main as est_main
-
-    monkeypatch.chdir(tmp_path)
-    on(CPU)
-    asked = ["--gpu-mem", "24", "--host-mem", "60", "--model", "llama3.1-8b", "--seq", "32768",
-             "--params", "absent.yaml", "--out", "ov.yaml"]
-    for lora in ("16", "any", "none"):
-        assert main("placement", asked + ["--sparse-blocks", "46", "--lora", lora]) == 2
-        assert f"--sparse-blocks 46 searches block-sparse finetuning and --lora {lora}" in \
-            capsys.readouterr().err
-    assert main("placement", asked + ["--sparse-blocks", "46", "--sparse-block-size", "48"]) == 2
-    assert "sparse.block_size: 48 does not divide the shape of down_proj [4096 x 14336]" in \
-        capsys.readouterr().err
-    assert main("placement", asked + ["--sparse-blocks", "100000"]) == 2
-    assert "exceeds the 1024 blocks of 64 x 64 of the smallest target, k_proj" in capsys.readouterr().err
-    assert not Path("ov.yaml").exists()
-    Path("p.yaml").write_text(yaml.safe_dump({"model": {"source": "random", "name": "llama3.1-8b"},
-                                              "sparse": {"blocks": 46, "block_size": 48}}))
-    assert est_main("estimate", ["--params", "p.yaml", "--gpu-mem", "24", "--host-mem", "60"]) == 2
-    assert "sparse.block_size: 48 does not divide" in capsys.readouterr().err
