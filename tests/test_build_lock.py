@@ -125,9 +125,10 @@ def test_set_up_builds_the_ops_of_a_cpu_run_once(tmp_path):
     from longft.run.launch import environment
 
     usual = Path(environment("cpu", dict(os.environ))["TORCH_EXTENSIONS_DIR"])
-    if not all((usual / op / f"{op}.so").is_file() for op in ("cpu_adam", "deepspeed_shm_comm")):
+    ops = ("cpu_adam", "fused_adam", "deepspeed_shm_comm")
+    if not all((usual / op / f"{op}.so").is_file() for op in ops):
         pytest.skip(f"set-up has not built the ops into {usual} (python -m longft.engine.opbuild)")
-    for op in ("cpu_adam", "deepspeed_shm_comm"):
+    for op in ops:
         shutil.copytree(usual / op, tmp_path / op)
     (tmp_path / "cpu_adam" / "lock").touch()  # and a killed build's lock: no hang
     p = subprocess.run([sys.executable, "-m", "longft.engine.opbuild", "cpu"], capture_output=True,
@@ -135,6 +136,7 @@ def test_set_up_builds_the_ops_of_a_cpu_run_once(tmp_path):
     assert p.returncode == 0, p.stderr
     assert f"DeepSpeed's `cpu_adam` op already built ({tmp_path})" in p.stderr
     assert f"DeepSpeed's `deepspeed_shm_comm` op already built ({tmp_path})" in p.stderr
+    assert f"DeepSpeed's `fused_adam` op already built ({tmp_path})" in p.stderr
     assert "removed a stale build lock" in p.stderr and "building" not in p.stderr
 
 

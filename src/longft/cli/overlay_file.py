@@ -28,6 +28,19 @@ def experiment_of(path: str | Path) -> str:
     return overlay_experiment(Path(path), rows[0].overrides)
 
 
+def batch_target(params_batch: int | None, world: int) -> tuple[int | None, str | None]:
+    """The global batch the search keeps (None: none, micro-batch x GPUs, as without params) and
+    a note where it is not the params' own: their train.global_batch_size, or where that is no
+    multiple of the GPUs, the nearest multiple (the smaller on a tie)."""
+    if params_batch is None or params_batch % world == 0:
+        return params_batch, None
+    low = params_batch // world * world
+    b = low if low and params_batch - low <= low + world - params_batch else low + world
+    return b, (f"global batch changed from {params_batch} to {b}: the params' "
+               f"train.global_batch_size {params_batch} is not a multiple of {world} GPU(s), "
+               f"{b} is the nearest; set another in the params to compare at it")
+
+
 def batch_changed(ov: dict, s, params_batch: int | None) -> str | None:
     """"global batch changed from A to B" where the overlay sets another global batch than the
     params' (runs at other global batches differ in more than their placement); None where not.

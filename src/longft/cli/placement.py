@@ -7,7 +7,7 @@
         [--out overlay.yaml]
 
 With a params file the overlay keeps their train.global_batch_size: only the micro-batches that
-divide it are searched, the rest accumulated (`batch_target`; docs/planner.md says why).
+divide it are searched, the rest accumulated (`overlay_file.batch_target`; docs/planner.md says why).
 The search (longft.estimate.placement) covers what the params train (full-parameter, LoRA, QLoRA or
 block-sparse, over a bf16 or quantized base, and their optimizer); --lora, --quantize, --optimizer,
 --optimizer-states and --sparse-blocks widen or pin it. The overlay keeps the base params' model, data and LoRA
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from longft.argtypes import integer, number, out_file
-from longft.cli.overlay_file import write_overlay
+from longft.cli.overlay_file import batch_target, write_overlay
 from longft.estimate.estimator import GIB, format_table
 from longft.estimate.format import unmeasured
 from longft.estimate.placement import (
@@ -119,19 +119,6 @@ def tunings(cfg, lora: str | None, quantize: str | None, optimizer: str | None) 
         own = Tuning(0, cfg.lora.quantize, cfg.optim.name, cfg.sparse.blocks, cfg.sparse.block_size)
     out = list(dict.fromkeys(out))
     return tuple(sorted(out, key=lambda t: t != own))
-
-
-def batch_target(params_batch: int | None, world: int) -> tuple[int | None, str | None]:
-    """The global batch the search keeps (None: none, micro-batch x GPUs, as without params) and
-    a note where it is not the params' own: their train.global_batch_size, or where that is no
-    multiple of the GPUs, the nearest multiple (the smaller on a tie)."""
-    if params_batch is None or params_batch % world == 0:
-        return params_batch, None
-    low = params_batch // world * world
-    b = low if low and params_batch - low <= low + world - params_batch else low + world
-    return b, (f"global batch changed from {params_batch} to {b}: the params' "
-               f"train.global_batch_size {params_batch} is not a multiple of {world} GPU(s), "
-               f"{b} is the nearest; set another in the params to compare at it")
 
 
 def _model_overlay(a, base_cfg, shipped: bool) -> tuple[dict | None, str | None]:

@@ -62,8 +62,7 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
     overlays keep the params' global batch (`params_batch`, micro-batches that divide it,
     accumulating the rest) as the asked run's search does; where they cannot (more GPUs than
     divide it), each overlay's header says so."""
-    from longft.cli.overlay_file import write_overlay
-    from longft.cli.placement import batch_target
+    from longft.cli.overlay_file import batch_target, write_overlay
 
     closest = min(cands, key=lambda c: c.overshoot(a.gpu_mem, a.host_mem))
     print(f"\nnothing fits. Closest: {describe_placement(closest)}:")
