@@ -101,6 +101,9 @@ KNOWN_MISSES = {
     # 50cade2 run), where block-sparse over the same NF4 base has 2.3 (a CUDA context): memory
     # outside torch's allocator, not attributed.
     ("h200-8b-qlora-32k-cap24.json", "vram_nvml_used"),
+    # Disk offload (135a550): host RSS 36.05 GiB against 29.18 predicted, 6.9 GiB in the steady
+    # state that the items (swap buffers, gradient partitions, the step's bf16 copy) lack.
+    ("h200-3b-32k-nvme-cap24-host32.json", "dram_rss_tree"),
 }
 # The same LoRA rows peak after start-up, where the estimate (with its start-up constant) says
 # start-up; strict too: the moment test asserts these are still mispredicted. And the two
@@ -296,3 +299,25 @@ def test_frozen_base_rows_of_one_lease_on_the_emulated_24_gib_card():
         cfg, row, c = _predicted_vs_measured(REPO / f"bench/results/{name}.json")
         assert row["status"] == "ok" and cfg.sparse.blocks == 46, name
         assert abs(c["vram_max_allocated"]["rel_error"]) < within, (name, c["vram_max_allocated"])
+
+
+def test_the_surplus_is_the_frozen_base_s_not_packing_s():
+    """The two rows that separate the surplus's causes (135a550, one lease): full finetuning of
+    packed documents with checkpoints offloaded has none (no item, within 2 %), and LoRA over one
+    random sequence a row has it (without the item the estimate is 6 % under). The planner's
+    answers at micro-batch 2 (LoRA r16 and block-sparse, 9 attention outputs kept) that trained on
+    the 24 GiB card are within 1 % with the per-method figures (gpu.FROZEN_BASE_SURPLUS_BF16_H)."""
+    cfg, row, est = _estimate(REPO / "bench/results/h200-1b-32k-packed-cpuckpt.json")
+    assert cfg.data.pack and not cfg.lora.rank and cfg.checkpointing.mode == "cpu_offload"
+    assert not any("surplus" in i["name"] for i in est["gpu"]["items"])
+    assert abs(compare(est, row["train"])["vram_max_allocated"]["rel_error"]) < 0.02
+    cfg, row, est = _estimate(REPO / "bench/results/h200-8b-lora-32k-cap24-unpacked.json")
+    assert not cfg.data.pack and cfg.lora.rank == 16
+    surplus = sum(i["bytes"] for i in est["gpu"]["items"] if "surplus" in i["name"]) / 2**30
+    measured = row["train"]["peak_vram"]["max_allocated_gib"]
+    assert est["gpu"]["allocated_gib"] - surplus < 0.94 * measured
+    assert abs(compare(est, row["train"])["vram_max_allocated"]["rel_error"]) < 0.01
+    for name in ("h200-8b-lora-32k-cap24-mb2-ka9", "h200-8b-sparse-32k-cap24-mb2"):
+        cfg, row, c = _predicted_vs_measured(REPO / f"bench/results/{name}.json")
+        assert row["train"]["status"] == "complete" and cfg.train.micro_batch_size == 2, name
+        assert abs(c["vram_max_allocated"]["rel_error"]) < 0.01, (name, c["vram_max_allocated"])

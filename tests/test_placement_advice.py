@@ -64,7 +64,9 @@ def _refit(over: dict, gpu_gib: float, host_gib: float, hw) -> bool:
 def test_the_24_gib_card_gets_an_answer(tmp_path, monkeypatch, on, capsys):
     """Issue 31's bar, exactly as a new user types it (no params file here: the defaults):
     full-parameter 8B at 128K does not fit 24 GiB + 60 GiB; the search says what does, with the
-    speed and the overlay, and the overlay fits by a fresh estimate."""
+    speed and the overlay, and the overlay fits by a fresh estimate. Since the bf16 LoRA rows of
+    2026-12-05 (135a550) measured a larger surplus (gpu.FROZEN_BASE_SURPLUS_BF16_H), LoRA r=16
+    reaches a little under 128K, and no single change makes the asked 128K fit."""
     monkeypatch.chdir(tmp_path)
     on(CPU)
     rc = main("placement", "--gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072 "
@@ -74,19 +76,22 @@ def test_the_24_gib_card_gets_an_answer(tmp_path, monkeypatch, on, capsys):
     assert "nothing fits. Closest:" in out
     longest = out[out.index("longest context that fits"):out.index("changes that make")]
     assert re.search(r"full-parameter\s+none fits", longest)
-    assert re.search(r"LoRA r=16\s+131,072 tokens\s+~\s*[\d,]+ tok/s", longest)
+    m = re.search(r"LoRA r=16\s+([\d,]+) tokens\s+~\s*[\d,]+ tok/s", longest)
+    lora = int(m.group(1).replace(",", "")) if m else 0
+    assert 120_000 <= lora < 131072, longest
     # QLoRA at 128K ran out of memory on the emulated 24 GiB card (bench/LOG.md): shorter, said so
     m = re.search(r"QLoRA nf4 r=16\s+([\d,]+) tokens\s+~\s*[\d,]+ tok/s \(unmeasured\)", longest)
     assert m and 65536 <= int(m.group(1).replace(",", "")) < 131072, longest
-    changes = out[out.index("changes that make"):out.index("smallest change that fits")]
+    changes = out[out.index("changes that make"):]
     for change in ("8-bit optimizer states", "optimizer states on NVMe", "LoRA r=16",
                    "block-sparse 46 x 64^2 ", "block-sparse 46 x 64^2 over nf4",
                    "QLoRA nf4 r=16", "more GPUs", "shorter context"):
         assert change in changes, change
-    m = re.search(r"smallest change that fits: (.+?) \(~([\d,]+) tok/s predicted\)", out)
-    assert m and m.group(1) == "LoRA r=16"
-    ov = _overlay_after(out, "# longft placement, instead of the asked run")
-    assert ov["lora"] == {"rank": 16, "quantize": "none"} and ov["data"]["max_seq_length"] == 131072
+    assert "no single change makes it fit; the longest contexts above are what fits" in out
+    # the longest LoRA context's overlay, as printed, fits by a fresh estimate
+    line = longest[longest.index("LoRA r=16"):].split("overlay: ", 1)[1].splitlines()[0]
+    ov = yaml.safe_load(line)
+    assert ov["lora"] == {"rank": 16, "quantize": "none"} and ov["data"]["max_seq_length"] == lora
     assert ov["model"] == {"name": "llama3.1-8b", "source": "random"}   # no params: it names it
     assert _refit(ov, 24, 60, CPU)
 
@@ -95,7 +100,7 @@ def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, o
     """Nothing fits Llama-3.2-1B full-parameter at 64K on 9 GiB + 16 GiB; --out gets no overlay
     of the asked run (it does not fit), but each fitting alternative's overlay beside it (on 8 GiB
     only the longest LoRA and QLoRA contexts fit, shorter ones, since a frozen base under
-    checkpoint offload counts its measured surplus)."""
+    checkpoint offload counts its measured surplus; block-sparse fits over NF4, not over bf16)."""
     monkeypatch.chdir(tmp_path)
     on(CPU)
     out = tmp_path / "ov.yaml"
@@ -103,13 +108,14 @@ def test_with_out_each_alternative_is_written_beside_it(tmp_path, monkeypatch, o
                        "65536", "--max-micro", "2", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 1 and not out.exists()
-    assert text.count("overlay: {") == 6  # longest LoRA, QLoRA; at 64K LoRA, QLoRA, block-sparse x2
+    assert text.count("overlay: {") == 5  # longest LoRA, QLoRA; at 64K LoRA, QLoRA, blocks over nf4
     files = sorted(p.name for p in tmp_path.glob("ov.*.yaml"))
-    assert files == ["ov.block-sparse-25-x-64-2-over-nf4.yaml", "ov.block-sparse-25-x-64-2.yaml",
+    assert files == ["ov.block-sparse-25-x-64-2-over-nf4.yaml",
                      "ov.longest-lora-r-16.yaml", "ov.longest-qlora-nf4-r-16.yaml",
                      "ov.lora-r-16.yaml", "ov.qlora-nf4-r-16.yaml"]
-    sparse = yaml.safe_load((tmp_path / "ov.block-sparse-25-x-64-2.yaml").read_text())
-    assert sparse["sparse"] == {"blocks": 25, "block_size": 64} and sparse["lora"]["rank"] == 0
+    sparse = yaml.safe_load((tmp_path / "ov.block-sparse-25-x-64-2-over-nf4.yaml").read_text())
+    assert sparse["sparse"] == {"blocks": 25, "block_size": 64} and sparse["lora"] == {
+        "rank": 0, "quantize": "nf4"}
     q = yaml.safe_load((tmp_path / "ov.longest-qlora-nf4-r-16.yaml").read_text())
     assert q["lora"] == {"rank": 16, "quantize": "nf4"} and q["zero"]["stage"] == 2
     assert (tmp_path / "ov.lora-r-16.yaml").read_text().startswith(
@@ -349,7 +355,7 @@ def test_every_suggested_change_is_a_placement_command_that_runs(tmp_path, monke
     seen = []
     real = advice_cli.alternatives
     monkeypatch.setattr(advice_cli, "alternatives", lambda *a: seen.extend(real(*a)) or seen)
-    asked = "--gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072".split()
+    asked = "--gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 98304".split()
     assert main("placement", asked) == 1
     sparse = [alt for alt in seen if alt.change.startswith("block-sparse")]
     assert len(seen) > 4 and len(sparse) == 2 and any(alt.candidate for alt in sparse)

@@ -40,3 +40,15 @@ def test_report_benchmarks_flag_prints_the_block(capsys):
 def test_a_missing_result_is_an_error_not_a_blank_row(tmp_path, capsys):
     assert cli.main(["report", "--benchmarks", str(tmp_path)]) == 1
     assert "not readable" in capsys.readouterr().err
+
+
+def test_the_setup_cell_says_where_each_state_lives():
+    """The NVMe row's setup says its optimizer states are on the disk, not on the CPU; the model
+    has its published name."""
+    doc = results_table._read(ROOT / "bench" / "results", "h200-3b-32k-nvme-cap24-host32")
+    assert doc["params"]["zero"]["offload_optimizer"] == "nvme"
+    setup = results_table._setup(doc)
+    assert "optimizer on NVMe" in setup and "on the CPU" not in setup
+    assert results_table._model(doc["params"]) == "Llama-3.2-3B, 32,768"
+    doc = results_table._read(ROOT / "bench" / "results", "h200-8b-lora-32k-cap24-mb2-ka9")
+    assert "optimizer + params on the CPU" in results_table._setup(doc)

@@ -67,14 +67,26 @@ def layer_activation_bytes(arch: dict, s: Setup) -> dict[str, int]:
 FROZEN_BASE_SURPLUS_H = 4.9
 """The measured surplus over the itemised estimate, per token in units of `x·h` (the activation
 dtype's bytes times the hidden size), fitted on the emulated 24 GiB QLoRA row at 32K; not yet
-attributed. Where it is counted: `frozen_base_surplus`; the rows behind it: docs/estimator.md,
-"Measured surplus"."""
+attributed. The NF4 base's figure; a bf16 base has more (FROZEN_BASE_SURPLUS_BF16_H). Where it is
+counted: `frozen_base_surplus`; the rows behind it: docs/estimator.md, "Measured surplus"."""
+
+FROZEN_BASE_SURPLUS_BF16_H = {"lora": 6.0, "sparse": 7.7}
+"""The same surplus over a frozen base in the training dtype (not quantized) under checkpoint
+offload, by method: the largest per-token figure its measured rows showed (the 24 GiB rows of
+2026-12-05: LoRA r16 5.4 and 6.0 `x·h` at micro-batch 1 and 2, block-sparse 7.7 and 7.6), so the
+estimate is on the safe side of every one."""
 
 
-def frozen_base_surplus(s: Setup) -> bool:
-    """Whether FROZEN_BASE_SURPLUS_H is counted: NF4 QLoRA, and a frozen base (LoRA, block-sparse;
-    quantized or not) under checkpoint offload, where the measured rows show it."""
-    return s.quantize == "nf4" or (s.frozen_base and s.checkpointing == "cpu_offload")
+def frozen_base_surplus(s: Setup) -> float:
+    """The surplus counted, in `x·h` bytes per token (0.0: none): NF4 QLoRA, and a frozen base
+    (LoRA, block-sparse; quantized or not) under checkpoint offload, where the measured rows show
+    it. A frozen base with checkpoints on the GPU (the q3 LoRA rows) and full finetuning with
+    checkpoints offloaded (h200-1b-32k-packed-cpuckpt) measured none."""
+    if not (s.quantize == "nf4" or (s.frozen_base and s.checkpointing == "cpu_offload")):
+        return 0.0
+    if s.quantize != "none":
+        return FROZEN_BASE_SURPLUS_H
+    return FROZEN_BASE_SURPLUS_BF16_H["sparse" if s.sparse_blocks else "lora"]
 
 
 def int8_forward_bytes(arch: dict, s: Setup) -> int:
@@ -303,9 +315,9 @@ def gpu_activation_items(arch: dict, s: Setup, n: Numbers) -> list[Item]:
         f"{n_saved} x micro x seq x {act['saved']:,} B/token")
     gpu("backward transients of one layer", T * (act["peak"] - act["saved"]), ("backward",),
         f"micro x seq x {act['peak'] - act['saved']:,} B/token (peak {act['peak']:,} B/token)")
-    if frozen_base_surplus(s):
-        gpu("frozen base: measured surplus, not itemised", T * round(FROZEN_BASE_SURPLUS_H * x * h),
-            ("backward",), f"micro x seq x {FROZEN_BASE_SURPLUS_H} x h x {x} B (the 24 GiB rows, "
+    if surplus := frozen_base_surplus(s):
+        gpu("frozen base: measured surplus, not itemised", T * round(surplus * x * h),
+            ("backward",), f"micro x seq x {surplus} x h x {x} B (the 24 GiB rows, "
             "docs/estimator.md)")
     gpu("final layer output + norm output", 2 * ckpt, ("loss",), "2 x micro x seq x h x B")
     if s.liger:

@@ -91,6 +91,11 @@ CURRENT = (
     Current("the same card, block-sparse (46 blocks of 64^2 a matrix, LoRA r16's parameter count)",
             "h200-8b-sparse-32k-cap24"),
     Current("the same card, block-sparse over an NF4 base", "h200-8b-sparse-nf4-32k-cap24"),
+    Current("the same card, LoRA r16 over bf16 weights at the planner's answer (micro-batch 2)",
+            "h200-8b-lora-32k-cap24-mb2-ka9"),
+    Current("the same card, block-sparse at the same placement", "h200-8b-sparse-32k-cap24-mb2"),
+    Current("a 24 GiB card with 32 GiB of RAM, emulated: optimizer states on the disk (NVMe offload)",
+            "h200-3b-32k-nvme-cap24-host32"),
     Current("2 GPUs", "h200x2-1b-16k-gpu"),
     Current("2 GPUs, one sequence per GPU", "h200x2-8b-128k-shared"),
 )
@@ -125,7 +130,8 @@ def _read(folder: Path, stem: str) -> dict:
 
 def _model(params: dict) -> str:
     name = params["model"]["name"]
-    short = {"llama3.2-1b": "Llama-3.2-1B", "llama3.1-8b": "Llama-3.1-8B"}.get(name, name)
+    short = {"llama3.2-1b": "Llama-3.2-1B", "llama3.2-3b": "Llama-3.2-3B",
+             "llama3.1-8b": "Llama-3.1-8B"}.get(name, name)
     return f"{short}, {params['data']['max_seq_length']:,}"
 
 
@@ -135,8 +141,11 @@ def _setup(doc: dict) -> str:
     z, hw, ck, tr = p["zero"], p["hardware"], p["checkpointing"], p["train"]
     gpus = hw["num_gpus"] * hw["num_nodes"]
     off = [k for k, v in (("optimizer", z["offload_optimizer"]), ("params", z["offload_param"]))
-           if v != "none"]
-    where = "all on the GPU" if not off else " + ".join(off) + " on the CPU"
+           if v == "cpu"]
+    disk = [k for k, v in (("optimizer", z["offload_optimizer"]), ("params", z["offload_param"]))
+            if v == "nvme"]
+    where = ", ".join(([" + ".join(off) + " on the CPU"] if off else [])
+                      + ([" + ".join(disk) + " on NVMe"] if disk else [])) or "all on the GPU"
     ratio = z.get("offload_ratio")
     if off and ratio not in (None, 1, 1.0):
         where += f" (offload_ratio {ratio})"
