@@ -101,9 +101,6 @@ KNOWN_MISSES = {
     # 50cade2 run), where block-sparse over the same NF4 base has 2.3 (a CUDA context): memory
     # outside torch's allocator, not attributed.
     ("h200-8b-qlora-32k-cap24.json", "vram_nvml_used"),
-    # Disk offload (135a550): host RSS 36.05 GiB against 29.18 predicted, 6.9 GiB in the steady
-    # state that the items (swap buffers, gradient partitions, the step's bf16 copy) lack.
-    ("h200-3b-32k-nvme-cap24-host32.json", "dram_rss_tree"),
 }
 # The same LoRA rows peak after start-up, where the estimate (with its start-up constant) says
 # start-up; strict too: the moment test asserts these are still mispredicted. And the two

@@ -132,12 +132,21 @@ def test_bf16_states_halve_the_host_model_states():
 
 
 def test_nvme_moves_the_states_to_disk_and_leaves_swap_buffers():
+    from longft.estimate.host import io_aligned
+
+    assert io_aligned(1_007_456_256, 4) == 1_007_456_256 and io_aligned(257, 4) == 512
     s = dataclasses.replace(BASE_8B, nvme=True, host_grad_buffer="full")
     e = estimate(ARCH_8B, s)
     names = {i.name: i for i in e.items}
     assert "optimizer: fp32 master" not in names and "CPU Adam fp32 gradients (pinned)" not in names
     assert e.disk_bytes == 16 * 8_030_261_248
-    assert names["NVMe swap buffers (pinned)"].bytes == 4 * 4 * 2**30   # 4 x 4 B x a 1e9 group, pow2
+    # DeepSpeed's own page-locked buffers (not torch's power-of-two cache): 4 x 4 B x the largest
+    # sub-group, exactly, from start-up; and Adam's m and v of the first step, pageable
+    buffers, first = names["NVMe swap buffers (page-locked)"], names[
+        "first step: CPU Adam m, v of a sub-group (pageable)"]
+    g = 1_048_608_768        # the 8B model's largest sub-group under sub_group_size 1e9
+    assert buffers.bytes == 4 * 4 * g and "setup" in buffers.phases
+    assert first.bytes * 2 == buffers.bytes and first.phases == ("steady",)
     assert fits(e, 139, 118, disk_gib=10).disk_ok is False
     assert fits(e, 139, 118, disk_gib=1000).disk_ok is True
     with pytest.raises(ValueError, match="nvme needs offload_optimizer"):

@@ -67,8 +67,10 @@ DS_SUB_GROUP_SIZE = 10**9
 """DeepSpeed's default zero_optimization.sub_group_size (zero.sub_group_size's default): the
 optimizer step and its fp32 gradient buffers work on groups of about this many parameter elements."""
 NVME_BUFFER_COUNT = 4
-"""offload_optimizer nvme: DeepSpeed's optimizer swapper keeps this many pinned buffers of the
+"""offload_optimizer nvme: DeepSpeed's optimizer swapper keeps this many page-locked buffers of the
 largest sub-group (offload_optimizer.buffer_count; Adam's 4 states: weight, gradient, m, v)."""
+NVME_ALIGNED_BYTES = 1024
+"""DeepSpeed's AIO_ALIGNED_BYTES (runtime/swap_tensor/utils.py): swapped tensors are padded to it."""
 LOSS_CHUNK_MEM = 1
 """Liger fused linear cross-entropy's chunk_mem_const: logits chunk ~ BT x H elements."""
 
