@@ -359,3 +359,28 @@ def test_the_overlay_says_auto_unless_the_params_chose_deepspeed():
     off = [c for c in search(ARCH_8B, BASE_8B, chunked_copy_back=False, **kw)]
     got = {c.offload: overlay(c, 1)["zero"]["copy_back"] for c in off}
     assert got["opt"] == "deepspeed" and got["opt+param"] == "auto" and got["none"] == "auto"
+
+
+def test_nvme_where_the_host_is_short_takes_smaller_sub_groups():
+    """The H200 NVMe row's question (Llama-3.2-3B at 32K, 24 GiB + 32 GiB): at the default 1e9
+    sub-groups the swapper's buffers and the first step's m, v need 35.7 GiB of RAM, so the search
+    takes 1e8 sub-groups (NVME_SUB_GROUP_SIZE) and says so, and the overlay sets them; where the
+    default fits (64 GiB) it is left alone."""
+    from longft.config.params import Config, merge, to_dict
+    from longft.estimate.placement import NVME_SUB_GROUP_SIZE, describe_placement
+
+    arch = json.loads((REPO / "configs/models/llama3.2-3b.json").read_text())
+    base = dataclasses.replace(BASE_8B, seq_len=32768, checkpointing="gpu")
+    kw = dict(gpu_mem_gib=24, gpu_name=None, max_micro=1, disk_gib=60, offloads=("opt(nvme)",))
+    short = [c for c in search(arch, base, host_mem_gib=32, **kw) if c.fit.ok]
+    assert short and {c.setup.sub_group_size for c in short} == {NVME_SUB_GROUP_SIZE}
+    assert all(c.est.host_rss < 32 * GIB for c in short)
+    assert "sub-groups 1e8" in describe_placement(short[0])
+    ov = overlay(short[0], 1, nvme_path="/tmp/x")
+    assert ov["zero"]["sub_group_size"] == NVME_SUB_GROUP_SIZE and ov["zero"]["nvme_path"] == "/tmp/x"
+    cfg = from_dict(merge(to_dict(Config()), {**ov, "model": {"name": "llama3.2-3b"}}))
+    assert cfg.zero.sub_group_size == NVME_SUB_GROUP_SIZE          # merged onto params, it validates
+    assert ds_config.build(cfg, "bf16", 64)["zero_optimization"]["sub_group_size"] == NVME_SUB_GROUP_SIZE
+    roomy = [c for c in search(arch, base, host_mem_gib=64, **kw) if c.fit.ok]
+    assert roomy and {c.setup.sub_group_size for c in roomy} == {base.sub_group_size}
+    assert "sub-groups" not in describe_placement(roomy[0])

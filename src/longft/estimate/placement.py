@@ -23,6 +23,7 @@ from longft.estimate.speed import (  # noqa: F401 - re-exported: the plan's spee
     step_seconds,
     tokens_per_second,
 )
+from longft.estimate.types import DS_SUB_GROUP_SIZE
 from longft.hardware.policy import why_not_chunked_copy_back
 from longft.hardware.policy import why_not_shared_grad_buffer as why_not
 from longft.model.attention import fused_kernel
@@ -183,6 +184,13 @@ class Tuning:
             sparse_targets=sparse if self.sparse_blocks else ())
 
 
+NVME_SUB_GROUP_SIZE = 10**8
+"""offload_optimizer nvme where the params' zero.sub_group_size does not fit the host: the host
+holds 6 states' worth of the largest sub-group (the swapper's 4 buffers and the first step's m and
+v, docs/estimator.md), so smaller sub-groups shrink it (Llama-3.2-3B at 32K: 35.7 GiB at 1e9, 20.8
+at 1e8, where the embedding is the largest); the disk moves the same bytes a step."""
+
+
 def placements(t: Tuning, disk_gib: float | None) -> list[str]:
     """The OFFLOADS a tuning can use: a quantized base (QLoRA, block-sparse over nf4 / int8) runs
     on ZeRO-2 (no parameter offload, no NVMe, no offload_ratio); 8-bit optimizer states live on
@@ -230,11 +238,18 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
                 ratios = offload_ratios(arch, first) if off == "opt" and stage == 3 else [1.0]
                 for ratio in ratios:
                     for mode in modes:
-                        out += _scan(arch, dataclasses.replace(
-                            first, checkpointing=mode, offload_ratio=ratio, grad_accum=1,
-                            gpu_layers=0, keep_attention=0),
-                            off, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, gpu_name=gpu_name,
-                            max_micro=max_micro, disk_gib=disk_gib, share=share_grads, batch=global_batch)
+                        start = dataclasses.replace(first, checkpointing=mode, offload_ratio=ratio,
+                                                    grad_accum=1, gpu_layers=0, keep_attention=0)
+                        kw = dict(gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, gpu_name=gpu_name,
+                                  max_micro=max_micro, disk_gib=disk_gib, share=share_grads,
+                                  batch=global_batch)
+                        got = _scan(arch, start, off, **kw)
+                        if nvme and start.sub_group_size > NVME_SUB_GROUP_SIZE and not any(
+                                c.fit.ok for c in got):
+                            smaller = _scan(arch, dataclasses.replace(
+                                start, sub_group_size=NVME_SUB_GROUP_SIZE), off, **kw)
+                            got = smaller if any(c.fit.ok for c in smaller) else got
+                        out += got
     return out
 
 
@@ -363,6 +378,8 @@ def describe_placement(c: Candidate, tuning: bool = True) -> str:
     s = c.setup
     off = c.offload + (f"(ratio {s.offload_ratio:g})" if s.offload_ratio < 1 else "")
     off += " bf16-states" if s.optimizer_states == "bf16" else ""
+    off += f" sub-groups {s.sub_group_size:.0e}".replace("e+0", "e") if s.nvme and (
+        s.sub_group_size != DS_SUB_GROUP_SIZE) else ""
     kept = (f" ({s.gpu_layers} on GPU, {s.keep_attention} attention kept)"
             if s.checkpointing == "cpu_offload" else f" ({s.keep_attention} attention kept)"
             if s.keep_attention else "")
@@ -392,7 +409,8 @@ def overlay(c: Candidate, gpus: int, model: dict | None = None, nvme_path: str |
                  # auto where it resolves to the candidate's copy (a chunked in the base params
                  # would be refused where it cannot apply); deepspeed where the params chose it
                  "copy_back": "auto" if s.copy_back == copy_back_for(s) else s.copy_back,
-                 **({"nvme_path": nvme_path} if s.nvme else {"nvme_path": None})},
+                 **({"nvme_path": nvme_path, "sub_group_size": s.sub_group_size} if s.nvme
+                    else {"nvme_path": None})},
         "lora": {"rank": s.lora_rank, "quantize": Tuning.of(s).quantize},
         "sparse": {"blocks": s.sparse_blocks, **({"block_size": s.sparse_block_size} if s.sparse_blocks else {})},
         "optim": {"name": s.optimizer},
