@@ -384,3 +384,42 @@ def test_nvme_where_the_host_is_short_takes_smaller_sub_groups():
     roomy = [c for c in search(arch, base, host_mem_gib=64, **kw) if c.fit.ok]
     assert roomy and {c.setup.sub_group_size for c in roomy} == {base.sub_group_size}
     assert "sub-groups" not in describe_placement(roomy[0])
+
+
+def test_nvme_speed_at_the_disk_s_measured_rates(tmp_path, capsys, monkeypatch):
+    """The H200 NVMe row (135a550) predicted at the bandwidth measured on its disk in the same call
+    (read 1.71, write 2.61 GiB/s) is within 5 % of its measured tok/s, where the assumed 2e9 B/s
+    each way is 10 % low; `longft placement --disk-bandwidth` takes that JSON, and refuses a bad one
+    or one without --nvme-path before searching."""
+    from longft.cli.estimate import main
+    from longft.estimate.estimator import setup_from_config
+    from longft.estimate.speed import tokens_per_second
+    from longft.model.architecture import architecture
+    from longft.model.loading import load_model_config
+
+    res = REPO / "bench/results"
+    row = json.loads((res / "h200-3b-32k-nvme-cap24-host32.json").read_text())
+    cfg = from_dict(row["params"])
+    arch = architecture(load_model_config(cfg.model))
+    s = setup_from_config(cfg, row["plan"]["resolved"])
+    read, write = nvme.bandwidth(str(res / "h200-3b-32k-nvme-cap24-host32-disk.json"))
+    measured = row["train"]["tokens_per_s"]
+    assumed = tokens_per_second(arch, s, "NVIDIA H200")
+    at_disk = tokens_per_second(arch, dataclasses.replace(s, disk_read_bps=read, disk_write_bps=write),
+                                "NVIDIA H200")
+    assert abs(at_disk / measured - 1) < 0.05 < abs(assumed / measured - 1), (at_disk, assumed, measured)
+
+    monkeypatch.setattr("longft.hardware.detect", lambda: CPU)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "swap").mkdir()
+    ask = ["--gpu-mem", "24", "--host-mem", "32", "--model", "llama3.2-3b", "--seq", "32768",
+           "--lora", "none", "--max-micro", "1", "--nvme-path", str(tmp_path / "swap")]
+    assert main("placement", ask + ["--disk-bandwidth", str(res / "h200-3b-32k-nvme-cap24-host32-disk.json")]) == 0
+    assert "NVMe speed at" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text(json.dumps({"read_gib_s": 1.7}))
+    assert main("placement", ask + ["--disk-bandwidth", str(tmp_path / "bad.json")]) == 2
+    assert "no positive 'write_gib_s'" in capsys.readouterr().err
+    assert main("placement", ask[:-2] + ["--disk-bandwidth", str(tmp_path / "bad.json")]) == 2
+    assert "give --nvme-path" in capsys.readouterr().err
+    assert main("placement", ask) == 0
+    assert "NVMe speed assumes" in capsys.readouterr().out

@@ -3,8 +3,8 @@
     longft placement --gpu-mem 24 --host-mem 60 --gpus 1 --model llama3.1-8b --seq 131072 \
         [--params params.yaml] [--lora any|none|RANK] [--quantize any|none|nf4|int8] \
         [--optimizer any|adamw|adamw_8bit|paged_adamw_8bit] [--optimizer-states any|fp32|bf16] \
-        [--nvme-path DIR] [--sparse-blocks N [--sparse-block-size B]] [--data data/prepared] \
-        [--out overlay.yaml]
+        [--nvme-path DIR [--disk-bandwidth disk.json]] [--sparse-blocks N [--sparse-block-size B]] \
+        [--data data/prepared] [--out overlay.yaml]
 
 With a params file the overlay keeps their train.global_batch_size: only the micro-batches that
 divide it are searched, the rest accumulated (`overlay_file.batch_target`; docs/planner.md says why).
@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
                     "params' optim.name")
     ap.add_argument("--nvme-path", help="also search ZeRO-Infinity: optimizer states in files "
                     "under this directory (its free space is the disk budget)")
+    ap.add_argument("--disk-bandwidth", metavar="DISK_JSON",
+                    help="with --nvme-path: the disk's read and write GiB/s, the JSON that "
+                    "`python bench/nvme/disk_bandwidth.py DIR --out DISK_JSON` writes; NVMe "
+                    "speeds are predicted at them (default: 2e9 B/s each way, assumed)")
     ap.add_argument("--sparse-blocks", type=integer(least=0, what="blocks"),
                     help="block-sparse finetuning: blocks trained per target matrix (sparse.blocks; "
                     "0: off), in place of the params' own (and of their LoRA). Default: the params'")
@@ -216,7 +220,11 @@ def cmd_placement(argv: list[str]) -> int:
         print(f"longft placement: bf16 optimizer states need precision bf16 (resolved {base.precision}); "
               "searching fp32 states only", file=sys.stderr)
         states = ("fp32",)
-    disk = None
+    disk = disk_note = None
+    if a.disk_bandwidth and not a.nvme_path:
+        print("longft placement: --disk-bandwidth is the disk under --nvme-path: give --nvme-path "
+              "DIR too", file=sys.stderr)
+        return 2
     if a.nvme_path:
         from longft.hardware import nvme
 
@@ -225,6 +233,19 @@ def cmd_placement(argv: list[str]) -> int:
             print("longft placement: " + "; ".join(bad), file=sys.stderr)
             return 2
         disk = shutil.disk_usage(a.nvme_path).free / GIB
+        if a.disk_bandwidth:
+            try:
+                read, write = nvme.bandwidth(a.disk_bandwidth)
+            except ValueError as e:
+                print(f"longft placement: {e}", file=sys.stderr)
+                return 2
+            base = dataclasses.replace(base, disk_read_bps=read, disk_write_bps=write)
+            disk_note = (f"NVMe speed at {a.disk_bandwidth}'s disk: read {read / GIB:.2f} GiB/s, "
+                         f"write {write / GIB:.2f} GiB/s")
+        else:
+            disk_note = ("NVMe speed assumes the disk reads and writes 2e9 B/s (1.86 GiB/s); "
+                         "measure yours with `python bench/nvme/disk_bandwidth.py "
+                         f"{a.nvme_path} --out disk.json` and pass --disk-bandwidth disk.json")
     def run_search(tunings: tuple[Tuning, ...], global_batch: int | None) -> list[Candidate]:
         return search(arch, base, gpu_mem_gib=a.gpu_mem, host_mem_gib=a.host_mem, gpu_name=gpu_name,
                       max_micro=a.max_micro, share_grads=cfg.zero.host_grad_buffer != "full", states=states,
@@ -237,7 +258,7 @@ def cmd_placement(argv: list[str]) -> int:
     from longft.estimate.speed import peak_note
 
     speed_note = peak_note(gpu_name, base.precision)
-    for n in notes + [n for n in (model_note, data_note, batch_note, speed_note) if n]:
+    for n in notes + [n for n in (model_note, data_note, batch_note, speed_note, disk_note) if n]:
         print(f"note: {n}")
     print("searched: " + "; ".join(t.name for t in allowed) + f"; optimizer states "
           f"{', '.join(states)}" + ("; NVMe" if disk is not None else "")

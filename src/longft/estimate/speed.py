@@ -48,8 +48,9 @@ CPU_ADAM_PARAMS_PER_S = 2.2e9
 GPU_ADAM_BYTES_PER_S = 1.5e12
 """Fused Adam on the GPU: 16 B read+written per parameter at about this rate."""
 NVME_BYTES_PER_S = 2e9
-"""offload_optimizer nvme: read + write bandwidth assumed for the state files (a PCIe 4 NVMe drive;
-DeepSpeed's aio reaches about this per drive)."""
+"""offload_optimizer nvme: the read and the write bandwidth assumed for the state files (a PCIe 4
+NVMe drive; DeepSpeed's aio reaches about this per drive) where the disk's own is not given
+(Setup.disk_read_bps / disk_write_bps, `longft placement --disk-bandwidth`)."""
 DEQUANT_BYTES_PER_S = 1.0e12
 """QLoRA, an assumption until a measured row replaces it: the rate at which bitsandbytes turns a
 quantized weight back into the training dtype (its blocks read, the weight written), about the
@@ -118,8 +119,10 @@ def optimizer_seconds(arch: dict, s: Setup) -> float:
     t = per * on_gpu / GPU_ADAM_BYTES_PER_S
     if on_host:
         t += on_host / CPU_ADAM_PARAMS_PER_S + n.w * on_host / HOST_LINK_BYTES_PER_S
-        if s.nvme:
-            t += 2 * 4 * n.ms * on_host / NVME_BYTES_PER_S
+        if s.nvme:   # every state read and written once a step, at the disk's own rates
+            states = 4 * n.ms * on_host
+            t += (states / (s.disk_read_bps or NVME_BYTES_PER_S)
+                  + states / (s.disk_write_bps or NVME_BYTES_PER_S))
     return t
 
 

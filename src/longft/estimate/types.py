@@ -127,6 +127,10 @@ class Setup:
     # rows' tokens that is padding (tokens/s then counts the rest, as a run's own does)
     attention_length: float | None = None
     padding: float = 0.0
+    # the disk under zero.nvme_path, for the speed heuristic only: read and write bytes a second
+    # (None: speed.NVME_BYTES_PER_S each way; `longft placement --disk-bandwidth`)
+    disk_read_bps: float | None = None
+    disk_write_bps: float | None = None
 
     def at_length(self, seq: int) -> "Setup":
         """This setup at another sequence length (a longest-context search): documents longer than

@@ -81,3 +81,24 @@ def _stale_swap_bytes(path: str) -> int:
 def problems(path: str | None, need_bytes: int) -> list[str]:
     """Everything that would stop the NVMe offload: the path first, then libaio."""
     return path_problems(path, need_bytes) + libaio_problem()
+
+
+def bandwidth(path: str) -> tuple[float, float]:
+    """(read, write) bytes a second of a disk, from the JSON that bench/nvme/disk_bandwidth.py
+    writes (`read_gib_s`, `write_gib_s`: GiB a second, 2^30 bytes). ValueError names what is wrong."""
+    import json
+
+    how = "measure the disk with `python bench/nvme/disk_bandwidth.py DIR --out disk.json`"
+    try:
+        doc = json.loads(open(path).read())
+    except OSError as e:
+        raise ValueError(f"--disk-bandwidth {path}: cannot read it ({e.strerror}); {how}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--disk-bandwidth {path}: not JSON ({e.msg}); {how}") from None
+    rates = []
+    for key in ("read_gib_s", "write_gib_s"):
+        v = doc.get(key) if isinstance(doc, dict) else None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"--disk-bandwidth {path}: no positive {key!r} (GiB/s); {how}")
+        rates.append(float(v) * 2**30)
+    return rates[0], rates[1]
