@@ -143,7 +143,7 @@ def test_nvme_moves_the_states_to_disk_and_leaves_swap_buffers():
     # DeepSpeed's own page-locked buffers (not torch's power-of-two cache): 4 x 4 B x the largest
     # sub-group, exactly, from start-up; and Adam's m and v of the first step, pageable
     buffers, first = names["NVMe swap buffers (page-locked)"], names[
-        "first step: CPU Adam m, v of a sub-group (pageable)"]
+        "first step: CPU Adam m, v (pageable)"]
     g = 1_048_608_768        # the 8B model's largest sub-group under sub_group_size 1e9
     assert buffers.bytes == 4 * 4 * g and "setup" in buffers.phases
     assert first.bytes * 2 == buffers.bytes and first.phases == ("steady",)
@@ -363,9 +363,10 @@ def test_the_overlay_says_auto_unless_the_params_chose_deepspeed():
 
 def test_nvme_where_the_host_is_short_takes_smaller_sub_groups():
     """The H200 NVMe row's question (Llama-3.2-3B at 32K, 24 GiB + 32 GiB): at the default 1e9
-    sub-groups the swapper's buffers and the first step's m, v need 35.7 GiB of RAM, so the search
-    takes 1e8 sub-groups (NVME_SUB_GROUP_SIZE) and says so, and the overlay sets them; where the
-    default fits (64 GiB) it is left alone."""
+    sub-groups the swapper's buffers and the first step's m, v need 35.7 GiB of RAM, so only the
+    1e8 sub-groups (NVME_SUB_GROUP_SIZE) fit, the candidate says so, and the overlay sets them.
+    Both sizes are searched; where both fit (64 GiB) the one that uses less of the machine wins,
+    as the disk moves the same bytes; without NVMe the params' own size is the only one."""
     from longft.config.params import Config, merge, to_dict
     from longft.estimate.placement import NVME_SUB_GROUP_SIZE, describe_placement
 
@@ -375,15 +376,22 @@ def test_nvme_where_the_host_is_short_takes_smaller_sub_groups():
     short = [c for c in search(arch, base, host_mem_gib=32, **kw) if c.fit.ok]
     assert short and {c.setup.sub_group_size for c in short} == {NVME_SUB_GROUP_SIZE}
     assert all(c.est.host_rss < 32 * GIB for c in short)
-    assert "sub-groups 1e8" in describe_placement(short[0])
+    assert "sub-groups 100,000,000" in describe_placement(short[0])
     ov = overlay(short[0], 1, nvme_path="/tmp/x")
     assert ov["zero"]["sub_group_size"] == NVME_SUB_GROUP_SIZE and ov["zero"]["nvme_path"] == "/tmp/x"
     cfg = from_dict(merge(to_dict(Config()), {**ov, "model": {"name": "llama3.2-3b"}}))
     assert cfg.zero.sub_group_size == NVME_SUB_GROUP_SIZE          # merged onto params, it validates
     assert ds_config.build(cfg, "bf16", 64)["zero_optimization"]["sub_group_size"] == NVME_SUB_GROUP_SIZE
     roomy = [c for c in search(arch, base, host_mem_gib=64, **kw) if c.fit.ok]
-    assert roomy and {c.setup.sub_group_size for c in roomy} == {base.sub_group_size}
-    assert "sub-groups" not in describe_placement(roomy[0])
+    assert {c.setup.sub_group_size for c in roomy} == {base.sub_group_size, NVME_SUB_GROUP_SIZE}
+    pick = best(roomy, gpu_mem_gib=24, host_mem_gib=64)
+    assert pick.setup.sub_group_size == NVME_SUB_GROUP_SIZE
+    assert pick.est.host_rss == min(c.est.host_rss for c in roomy if c.setup.checkpointing ==
+                                    pick.setup.checkpointing and c.setup.micro_batch == 1)
+    cpu = search(arch, base, host_mem_gib=64, gpu_mem_gib=80, gpu_name=None, max_micro=1,
+                 offloads=("opt",))
+    assert {c.setup.sub_group_size for c in cpu} == {base.sub_group_size}
+    assert "sub-groups" not in describe_placement(cpu[0])
 
 
 def test_nvme_speed_at_the_disk_s_measured_rates(tmp_path, capsys, monkeypatch):

@@ -40,7 +40,7 @@ class _Overlays:
     def show(self, name: str, c: Candidate, gpus: int) -> dict:
         from longft.cli.overlay_file import batch_changed, write_overlay
 
-        ov = overlay(c, gpus, self.model_over, None)
+        ov = overlay(c, gpus, self.model_over, self.a.nvme_path)
         print(f"{'':6s}overlay: " + yaml.safe_dump(ov, default_flow_style=True, sort_keys=False,
                                                    width=1 << 16).strip())
         changed = batch_changed(ov, c.setup, self.params_batch)
@@ -91,7 +91,7 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
               .replace("\n", f"{flags}\n", 1) + ("" if alt.candidate else flags))
         if alt.note:
             print(f"{'':6s}{alt.note}")
-        if alt.candidate and not alt.candidate.setup.nvme:   # NVMe needs its path: --nvme-path
+        if alt.candidate and (a.nvme_path or not alt.candidate.setup.nvme):  # NVMe: --nvme-path
             shown.show(alt.change, alt.candidate, alt.gpus)
     from longft.cli.overlay_file import experiment_of, run_line
 
@@ -100,7 +100,7 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
               "itself is not written, the asked run does not fit):")
     for p in shown.written:
         print(f"  {p}: {run_line(p)}  (experiment {experiment_of(p)})")
-    rec = recommended(alts)
+    rec = recommended(alts, nvme_checked=bool(a.nvme_path))
     if rec is None:
         print("\nno single change makes it fit; the longest contexts above are what fits")
         return 1
@@ -108,7 +108,7 @@ def nothing_fits(a, arch: dict, base, cands: list[Candidate], *, allowed, states
     print(f"\nsmallest change that fits: {rec.change} (~{c.tokens_per_s:,.0f} tok/s predicted). "
           f"Its overlay (merge onto {a.params}; `longft placement ... {rec.flags}` "
           "searches it as the asked run):")
-    write_overlay(None, overlay(c, rec.gpus, model_over, None), c, gpu_mem=a.gpu_mem,
+    write_overlay(None, overlay(c, rec.gpus, model_over, a.nvme_path), c, gpu_mem=a.gpu_mem,
                   host_mem=a.host_mem, title=f"longft placement, instead of the asked run: {rec.change}",
                   params_batch=params_batch)
     path = _alt_path(a.out, rec.change) if a.out else None

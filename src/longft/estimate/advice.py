@@ -12,6 +12,7 @@ Pure functions of the estimator; `longft placement` prints them (cli/placement_a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from longft.estimate.estimator import Setup, estimate, fits
 from longft.estimate.placement import OFFLOADS, Candidate, Tuning, best, fewest_kept, placements, search
@@ -78,7 +79,7 @@ def fits_somewhere(arch: dict, s: Setup, t: Tuning, ask: Ask, states: tuple[str,
     """Whether `s` trained as `t` fits at micro-batch 1 in any placement: each offload, state
     precision and checkpointing mode (gpu, or cpu_offload with the fewest checkpoints on the GPU
     that the host needs; no checkpointing needs more of both), nothing kept beyond that."""
-    from longft.estimate.placement import copy_back_for, offload_ratios
+    from longft.estimate.placement import copy_back_for, offload_ratios, sub_group_sizes
     from longft.hardware.policy import why_not_shared_grad_buffer as why_not
 
     gb = ask.global_batch   # kept: micro-batch 1 accumulates the rest (the search's micro-batch 1)
@@ -96,14 +97,14 @@ def fits_somewhere(arch: dict, s: Setup, t: Tuning, ask: Ask, states: tuple[str,
                                         host_grad_buffer="shared" if shared else "full")
             first = dataclasses.replace(first, copy_back=copy_back_for(first, ask.chunked_copy_back))
             ratios = offload_ratios(arch, first) if off == "opt" and first.zero_stage == 3 else [1.0]
-            for ratio in ratios:
-                for mode in ("gpu", "cpu_offload"):
-                    c = dataclasses.replace(first, offload_ratio=ratio, checkpointing=mode)
-                    if mode == "cpu_offload":
-                        c = dataclasses.replace(c, gpu_layers=fewest_kept(arch, c, ask.host_mem_gib))
-                    if fits(estimate(arch, c), ask.gpu_mem_gib, ask.host_mem_gib,
-                            disk_gib=disk_gib).ok:
-                        return True
+            for ratio, sg, mode in itertools.product(ratios, sub_group_sizes(first),
+                                                     ("gpu", "cpu_offload")):
+                c = dataclasses.replace(first, offload_ratio=ratio, sub_group_size=sg,
+                                        checkpointing=mode)
+                if mode == "cpu_offload":
+                    c = dataclasses.replace(c, gpu_layers=fewest_kept(arch, c, ask.host_mem_gib))
+                if fits(estimate(arch, c), ask.gpu_mem_gib, ask.host_mem_gib, disk_gib=disk_gib).ok:
+                    return True
     return False
 
 
@@ -239,7 +240,9 @@ def _more_gpus(arch: dict, base: Setup, ask: Ask) -> Alternative:
                        f"{ask.host_mem_gib:g} GiB of host RAM")
 
 
-def recommended(alts: list[Alternative]) -> Alternative | None:
+def recommended(alts: list[Alternative], nvme_checked: bool = False) -> Alternative | None:
     """The smallest change that fits: the first in `alternatives`' order with a candidate, NVMe
-    left out until --nvme-path has checked the disk."""
-    return next((a for a in alts if a.candidate is not None and "NVMe" not in a.change), None)
+    left out until --nvme-path has checked the disk (`nvme_checked`): the suggestion "optimizer
+    states on NVMe", and any other change whose placement puts the states there."""
+    return next((a for a in alts if a.candidate is not None and (nvme_checked or (
+        "NVMe" not in a.change and not a.candidate.setup.nvme))), None)

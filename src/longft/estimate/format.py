@@ -6,6 +6,7 @@ import dataclasses
 
 from longft.estimate.types import (
     CUDA_CONTEXT_BYTES,
+    DS_SUB_GROUP_SIZE,
     GIB,
     HOST_PHASES,
     LAUNCHER_BASE_BYTES,
@@ -60,7 +61,8 @@ def to_dict(est: Estimate) -> dict:
 
 def describe(s: Setup) -> str:
     """One line: what the estimate is for."""
-    opt = "optimizer" + ("(nvme)" if s.nvme else f"(ratio {s.offload_ratio:g})"
+    groups = f", sub-groups {s.sub_group_size:,}" if s.sub_group_size != DS_SUB_GROUP_SIZE else ""
+    opt = "optimizer" + (f"(nvme{groups})" if s.nvme else f"(ratio {s.offload_ratio:g})"
                          if s.offload_ratio < 1 else "")
     off = "+".join(n for n, on in ((opt, s.offload_optimizer), ("params", s.offload_param))
                    if on) or "none"

@@ -84,7 +84,7 @@ def frozen_base_surplus(s: Setup) -> float:
     checkpoints offloaded (h200-1b-32k-packed-cpuckpt) measured none."""
     if not (s.quantize == "nf4" or (s.frozen_base and s.checkpointing == "cpu_offload")):
         return 0.0
-    if s.quantize != "none":
+    if s.quantize != "none":   # measured over NF4; int8 has no measured row and takes NF4's
         return FROZEN_BASE_SURPLUS_H
     return FROZEN_BASE_SURPLUS_BF16_H["sparse" if s.sparse_blocks else "lora"]
 

@@ -226,7 +226,7 @@ def nvme_swap_items(n: Numbers, R: int) -> list[Item]:
     return [Item("NVMe swap buffers (page-locked)", "host", R * NVME_BUFFER_COUNT * n.ms * g,
                  HOST_PHASES, f"{R} rank(s) x buffer_count {NVME_BUFFER_COUNT} x {n.ms} B x "
                  f"{g:,} elements (the largest sub-group), exact"),
-            Item("first step: CPU Adam m, v of a sub-group (pageable)", "host", R * 2 * n.ms * g,
+            Item("first step: CPU Adam m, v (pageable)", "host", R * 2 * n.ms * g,
                  ("steady",), f"{R} rank(s) x 2 x {n.ms} B x {g:,} elements, created by the first "
                  "step before the swapper holds them")]
 

@@ -185,10 +185,11 @@ class Tuning:
 
 
 NVME_SUB_GROUP_SIZE = 10**8
-"""offload_optimizer nvme where the params' zero.sub_group_size does not fit the host: the host
-holds 6 states' worth of the largest sub-group (the swapper's 4 buffers and the first step's m and
-v, docs/estimator.md), so smaller sub-groups shrink it (Llama-3.2-3B at 32K: 35.7 GiB at 1e9, 20.8
-at 1e8, where the embedding is the largest); the disk moves the same bytes a step."""
+"""offload_optimizer nvme: the sub-group size searched beside the params' zero.sub_group_size. The
+host holds 6 states' worth of the largest sub-group (the swapper's 4 buffers and the first step's
+m and v, docs/estimator.md), so smaller sub-groups shrink it (Llama-3.2-3B at 32K: 35.7 GiB at
+1e9, 20.8 at 1e8, where the embedding is the largest); the disk moves the same bytes a step, so
+the speed model sees no difference and the placement that uses less of the machine wins."""
 
 
 def placements(t: Tuning, disk_gib: float | None) -> list[str]:
@@ -243,14 +244,18 @@ def search(arch: dict, base: Setup, *, gpu_mem_gib: float, host_mem_gib: float, 
                         kw = dict(gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, gpu_name=gpu_name,
                                   max_micro=max_micro, disk_gib=disk_gib, share=share_grads,
                                   batch=global_batch)
-                        got = _scan(arch, start, off, **kw)
-                        if nvme and start.sub_group_size > NVME_SUB_GROUP_SIZE and not any(
-                                c.fit.ok for c in got):
-                            smaller = _scan(arch, dataclasses.replace(
-                                start, sub_group_size=NVME_SUB_GROUP_SIZE), off, **kw)
-                            got = smaller if any(c.fit.ok for c in smaller) else got
-                        out += got
+                        for sg in sub_group_sizes(start):
+                            out += _scan(arch, dataclasses.replace(start, sub_group_size=sg), off,
+                                         **kw)
     return out
+
+
+def sub_group_sizes(s: Setup) -> tuple[int, ...]:
+    """The zero.sub_group_size values to search for `s`: the params' own, and with NVMe also
+    NVME_SUB_GROUP_SIZE where it is smaller (the same disk time, less host RAM; `best` chooses)."""
+    if s.nvme and s.sub_group_size > NVME_SUB_GROUP_SIZE:
+        return (s.sub_group_size, NVME_SUB_GROUP_SIZE)
+    return (s.sub_group_size,)
 
 
 def copy_back_for(s: Setup, chunked: bool = True) -> str:
@@ -378,7 +383,7 @@ def describe_placement(c: Candidate, tuning: bool = True) -> str:
     s = c.setup
     off = c.offload + (f"(ratio {s.offload_ratio:g})" if s.offload_ratio < 1 else "")
     off += " bf16-states" if s.optimizer_states == "bf16" else ""
-    off += f" sub-groups {s.sub_group_size:.0e}".replace("e+0", "e") if s.nvme and (
+    off += f" sub-groups {s.sub_group_size:,}" if s.nvme and (
         s.sub_group_size != DS_SUB_GROUP_SIZE) else ""
     kept = (f" ({s.gpu_layers} on GPU, {s.keep_attention} attention kept)"
             if s.checkpointing == "cpu_offload" else f" ({s.keep_attention} attention kept)"
