@@ -318,3 +318,22 @@ def test_the_surplus_is_the_frozen_base_s_not_packing_s():
         cfg, row, c = _predicted_vs_measured(REPO / f"bench/results/{name}.json")
         assert row["train"]["status"] == "complete" and cfg.train.micro_batch_size == 2, name
         assert abs(c["vram_max_allocated"]["rel_error"]) < 0.01, (name, c["vram_max_allocated"])
+
+
+@pytest.mark.parametrize("lora,blocks,quantize,mode,want", [
+    (16, 0, "nf4", "gpu", 4.9), (16, 0, "nf4", "cpu_offload", 4.9),
+    (16, 0, "int8", "gpu", 0.0), (16, 0, "int8", "cpu_offload", 4.9),
+    (16, 0, "none", "gpu", 0.0), (16, 0, "none", "cpu_offload", 6.0),
+    (0, 46, "none", "gpu", 0.0), (0, 46, "none", "cpu_offload", 7.7),
+    (0, 46, "nf4", "gpu", 4.9), (0, 46, "nf4", "cpu_offload", 4.9),
+    (0, 0, "none", "gpu", 0.0), (0, 0, "none", "cpu_offload", 0.0)])
+def test_the_surplus_counted_for_each_kind_of_run(lora, blocks, quantize, mode, want):
+    """Which runs count the measured surplus, and how much (`x·h` a token): NF4 always; a frozen
+    base under checkpoint offload, by its base and method; full finetuning never (the 1B packed
+    row with its checkpoints offloaded has none)."""
+    from longft.estimate.gpu import frozen_base_surplus
+    from longft.estimate.types import Setup
+
+    s = Setup(micro_batch=1, seq_len=32768, lora_rank=lora, sparse_blocks=blocks, quantize=quantize,
+              checkpointing=mode)
+    assert frozen_base_surplus(s) == want
