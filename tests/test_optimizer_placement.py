@@ -416,6 +416,13 @@ def test_nvme_speed_at_the_disk_s_measured_rates(tmp_path, capsys, monkeypatch):
     at_disk = tokens_per_second(arch, dataclasses.replace(s, disk_read_bps=read, disk_write_bps=write),
                                 "NVIDIA H200")
     assert abs(at_disk / measured - 1) < 0.05 < abs(assumed / measured - 1), (at_disk, assumed, measured)
+    from longft.estimate.speed import NVME_BYTES_PER_S, step_seconds
+
+    states = 16 * 3_212_749_824           # fp32 master, gradient, m, v: read and written once a step
+    for r, w in ((read, NVME_BYTES_PER_S), (NVME_BYTES_PER_S, write)):   # each way at its own rate
+        one = dataclasses.replace(s, disk_read_bps=r, disk_write_bps=w)
+        got = step_seconds(arch, one, "NVIDIA H200") - step_seconds(arch, s, "NVIDIA H200")
+        assert got == pytest.approx(states / r + states / w - 2 * states / NVME_BYTES_PER_S, rel=1e-6)
 
     monkeypatch.setattr("longft.hardware.detect", lambda: CPU)
     monkeypatch.chdir(tmp_path)

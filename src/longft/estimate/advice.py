@@ -241,8 +241,8 @@ def _more_gpus(arch: dict, base: Setup, ask: Ask) -> Alternative:
 
 
 def recommended(alts: list[Alternative], nvme_checked: bool = False) -> Alternative | None:
-    """The smallest change that fits: the first in `alternatives`' order with a candidate, NVMe
-    left out until --nvme-path has checked the disk (`nvme_checked`): the suggestion "optimizer
-    states on NVMe", and any other change whose placement puts the states there."""
-    return next((a for a in alts if a.candidate is not None and (nvme_checked or (
-        "NVMe" not in a.change and not a.candidate.setup.nvme))), None)
+    """The smallest change that fits: the first in `alternatives`' order with a candidate, the
+    suggestion "optimizer states on NVMe" left out until --nvme-path has checked the disk
+    (`nvme_checked`; without it no other change is searched on NVMe)."""
+    return next((a for a in alts if a.candidate is not None
+                 and (nvme_checked or "NVMe" not in a.change)), None)
