@@ -390,32 +390,3 @@ def test_sparse_blocks_asked_over_lora_params_train_blocks_in_place_of_the_adapt
     assert ov["sparse"] == {"blocks": 25, "block_size": 64} and ov["lora"]["rank"] == 0
     merged = from_dict(merge(yaml.safe_load(params.read_text()), ov))
     assert not problems(merged), problems(merged)
-
-
-def test_nvme_answers_carry_their_path_and_their_sub_groups(tmp_path, monkeypatch, on, capsys):
-    """With --nvme-path the longest-context search and the changes search NVMe at the smaller
-    sub-groups too (the host holds six states of the largest one), and every overlay that puts the
-    states on NVMe names the path (an overlay with nvme_path null would not validate); without
-    --nvme-path no NVMe answer is recommended."""
-    monkeypatch.chdir(tmp_path)
-    on(CPU)
-    swap = tmp_path / "swap"
-    swap.mkdir()
-    asked = ("--gpu-mem 24 --host-mem 32 --model llama3.2-3b --seq 131072 --lora none "
-             "--max-micro 1").split()
-    assert main("placement", asked + ["--nvme-path", str(swap)]) == 1
-    out = capsys.readouterr().out
-    longest = out[out.index("longest context that fits"):out.index("changes that make")]
-    m = re.search(r"full-parameter\s+([\d,]+) tokens", longest)
-    assert m and int(m.group(1).replace(",", "")) >= 65536, longest
-    assert "opt(nvme) sub-groups 100,000,000" in longest
-    for line in out.splitlines():
-        if line.strip().startswith("overlay: {") and "offload_optimizer: nvme" in line:
-            assert f"nvme_path: {swap}" in line, line
-    rec = _overlay_after(out, "# longft placement, instead of the asked run")
-    assert rec["zero"]["offload_optimizer"] == "nvme"     # bf16 states over NVMe, 1e8 sub-groups
-    assert rec["zero"]["nvme_path"] == str(swap) and from_dict(merge(to_dict(Config()), rec))
-    assert main("placement", asked) == 1
-    out = capsys.readouterr().out
-    rec = _overlay_after(out, "# longft placement, instead of the asked run")
-    assert rec["zero"]["offload_optimizer"] != "nvme" and rec["lora"]["rank"] == 16
