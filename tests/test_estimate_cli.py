@@ -95,7 +95,8 @@ def test_search_keeps_as_many_checkpoints_on_the_gpu_as_fit():
     search keeps attention outputs and checkpoints on the GPU until one more would not fit it."""
     import json
 
-    from longft.estimate.placement import keep_on_gpu, overlay
+    from longft.estimate.placement import keep_on_gpu
+    from longft.estimate.placement_overlay import overlay
     from longft.run.pipeline import REPO
 
     arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())
@@ -273,7 +274,7 @@ def test_near_ties_go_to_the_placement_using_less_of_the_machine():
     needs by filling ~170 GiB of host RAM; the chosen placement keeps everything on the GPUs."""
     import json
 
-    from longft.estimate.placement import overlay
+    from longft.estimate.placement_overlay import overlay
     from longft.run.pipeline import REPO
 
     arch = json.loads((REPO / "configs/models/llama3.1-8b.json").read_text())

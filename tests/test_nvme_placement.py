@@ -11,7 +11,8 @@ from longft.cli.estimate import main
 from longft.config.params import Config, from_dict, merge, to_dict
 from longft.engine import ds_config
 from longft.estimate.estimator import GIB
-from longft.estimate.placement import best, overlay, search
+from longft.estimate.placement import best, search
+from longft.estimate.placement_overlay import overlay
 from longft.hardware import nvme
 from test_optimizer_placement import BASE_8B, REPO
 from test_placement_advice import _overlay_after

@@ -12,7 +12,8 @@ from longft.config.params import ConfigError, from_dict
 from longft.engine import ds_config
 from longft.estimate.arch import numbers, optimizer_split
 from longft.estimate.estimator import GIB, Setup, estimate, fits
-from longft.estimate.placement import best, optimizer_seconds, overlay, ratio_for, search
+from longft.estimate.placement import best, optimizer_seconds, ratio_for, search
+from longft.estimate.placement_overlay import overlay
 from longft.hardware import PlanError, nvme, resolve
 from longft.run.launch import LaunchError, command
 from longft.run.patch_stage import make_plan

@@ -19,11 +19,11 @@ from longft.estimate.placement import (
     Tuning,
     best,
     near_budget,
-    overlay,
     search,
     step_seconds,
     why_chosen,
 )
+from longft.estimate.placement_overlay import overlay
 from longft.hardware import Hardware
 from longft.run.pipeline import REPO
 

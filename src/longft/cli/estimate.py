@@ -32,7 +32,8 @@ from longft.cli.target import resolve_on_gpu as _resolve
 from longft.estimate.estimator import GIB, describe, estimate, fits, format_table, setup_from_config
 from longft.estimate.format import unmeasured
 from longft.estimate.max_context import SEQ_STEP, _max_context_auto_tiled, candidates_for_confirmation, max_context
-from longft.estimate.placement import MODES, best, overlay, search, tokens_per_second
+from longft.estimate.placement import MODES, best, search, tokens_per_second
+from longft.estimate.placement_overlay import overlay
 from longft.hardware import TILED_MLP_FROM
 
 __all__ = [

@@ -36,10 +36,10 @@ from longft.estimate.placement import (
     best,
     describe_placement,
     near_budget,
-    overlay,
     search,
     why_chosen,
 )
+from longft.estimate.placement_overlay import overlay
 
 QUANTIZE = ("none", "nf4", "int8")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")

@@ -12,7 +12,8 @@ import yaml
 
 from longft.estimate.advice import Ask, alternatives, longest_contexts, recommended
 from longft.estimate.estimator import GIB, format_table
-from longft.estimate.placement import Candidate, describe_placement, near_budget, overlay
+from longft.estimate.placement import Candidate, describe_placement, near_budget
+from longft.estimate.placement_overlay import overlay
 
 
 def _speed(c: Candidate, a) -> str:
