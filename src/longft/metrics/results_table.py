@@ -140,12 +140,11 @@ def _setup(doc: dict) -> str:
     p = doc["params"]
     z, hw, ck, tr = p["zero"], p["hardware"], p["checkpointing"], p["train"]
     gpus = hw["num_gpus"] * hw["num_nodes"]
-    off = [k for k, v in (("optimizer", z["offload_optimizer"]), ("params", z["offload_param"]))
-           if v == "cpu"]
-    disk = [k for k, v in (("optimizer", z["offload_optimizer"]), ("params", z["offload_param"]))
-            if v == "nvme"]
-    where = ", ".join(([" + ".join(off) + " on the CPU"] if off else [])
-                      + ([" + ".join(disk) + " on NVMe"] if disk else [])) or "all on the GPU"
+    states = (("optimizer", z["offload_optimizer"]), ("params", z["offload_param"]))
+    on = {dev: [k for k, v in states if v == dev] for dev in ("cpu", "nvme")}
+    off = on["cpu"]
+    where = ", ".join(" + ".join(ks) + f" on {label}" for ks, label in
+                      ((on["cpu"], "the CPU"), (on["nvme"], "NVMe")) if ks) or "all on the GPU"
     ratio = z.get("offload_ratio")
     if off and ratio not in (None, 1, 1.0):
         where += f" (offload_ratio {ratio})"
